@@ -150,7 +150,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// Hunyuan's heads normalised after they turn, OLMo 1's LayerNorms
 /// without weights in fp32 and its clamped projections, Cohere's
 /// attention and MLP side by side after one fp32 LayerNorm, pairs
-/// turned in fp32 (Cohere 2's in its windowed layers only).
+/// turned in fp32 (Cohere 2's in its windowed layers only), and
+/// StableLM's LayerNorms and quarter-turned heads, one after the other
+/// and side by side.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -226,6 +228,11 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "cohere2",
         r#", "pad_token_id": 96, "bos_token_id": 95, "eos_token_id": 94, "sliding_window": 16, "sliding_window_pattern": 2"#,
+    ),
+    ("stablelm", r#", "use_qkv_bias": true, "pad_token_id": 96"#),
+    (
+        "stablelm",
+        r#", "use_parallel_residual": true, "pad_token_id": 96"#,
     ),
 ];
 
@@ -424,7 +431,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
     // Other families' layers save other tensors.
-    for t in ["persimmon", "apertus", "stablelm"] {
+    for t in ["persimmon", "apertus", "falcon"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

@@ -39,7 +39,7 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// `None` where the count would be a guess: the families whose layer is
 /// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's, Arcee's,
 /// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's, Hunyuan's,
-/// OLMo 1's, Cohere's or a plain mixture of experts' ([`Experts::of`]; their
+/// OLMo 1's, Cohere's, StableLM's or a plain mixture of experts' ([`Experts::of`]; their
 /// norms, gates and attention kernels save other tensors); a dropout (of the attention, a sublayer's
 /// output or the embeddings), which saves its mask; and LoRA with a
 /// dropout, DoRA, bias terms, or anything besides the layers' adapters
@@ -190,7 +190,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count ([`counted`]'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -241,7 +241,7 @@ fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Expert
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
 /// Ministral's, Seed-OSS's, Arcee's, StarCoder2's, Nemotron's, ERNIE
-/// 4.5's, Helium's, GLM's and GLM-4's, OLMo 1's, Cohere 1's and 2's,
+/// 4.5's, Helium's, GLM's and GLM-4's, OLMo 1's, Cohere 1's and 2's, StableLM's,
 /// Qwen2's, Granite's,
 /// Gemma's, Phi-3's, SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's,
 /// Qwen3-MoE's, OLMo 2's and 3's, EXAONE 4's and Hunyuan's with their
@@ -262,6 +262,7 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Olmo1
         | Family::Cohere
         | Family::Cohere2
+        | Family::StableLm
         | Family::Qwen2
         | Family::Granite
         | Family::Gemma
@@ -460,7 +461,7 @@ enum Norms {
     /// values in fp32 (in a 16-bit model the weights cast to fp32 each
     /// forward).
     Fp32,
-    /// StarCoder2's LayerNorms: each keeps its input as it is, and a
+    /// StarCoder2's and StableLM's LayerNorms: each keeps its input as it is, and a
     /// mean and a reciprocal a token in its dtype (libtorch's CPU
     /// kernel's; its CUDA kernel keeps them in fp32).
     Layer,
@@ -482,7 +483,7 @@ impl Norms {
             Family::Olmo2 | Family::Olmo3 | Family::Helium | Family::Cohere | Family::Cohere2 => {
                 Self::Fp32
             }
-            Family::Starcoder2 => Self::Layer,
+            Family::Starcoder2 | Family::StableLm => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,

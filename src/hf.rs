@@ -1320,7 +1320,7 @@ impl HfJson {
 /// `labels = tokens`: the mean cross-entropy of `logits` `[batch, seq,
 /// vocab]` at positions `..seq-1` predicting `tokens[:, 1:]`, in fp32.
 /// For its backward it keeps the logits in their own dtype, not their
-/// fp32 log-probabilities ([`cross_entropy`]).
+/// fp32 log-probabilities ([`crate::zero::glue::cross_entropy`]).
 pub fn causal_lm_loss(logits: &Tensor, tokens: &Tensor) -> Tensor {
     let t = tokens.size().get(1).copied().unwrap_or(2);
     let vocab = logits.size().last().copied().unwrap_or(1);

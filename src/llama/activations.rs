@@ -36,12 +36,13 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// families' classes do). With `lora`, its adapters train on a frozen
 /// base, as [`crate::lora::freeze_base`] leaves it.
 ///
-/// `None` where the count would be a guess: the families whose layer is
-/// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's, Arcee's,
-/// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's, Hunyuan's,
-/// OLMo 1's, Cohere's, StableLM's or a plain mixture of experts' ([`Experts::of`]; their
-/// norms, gates and attention kernels save other tensors); a dropout (of the attention, a sublayer's
-/// output or the embeddings), which saves its mask; and LoRA with a
+/// `None` where the count would be a guess: a family not in
+/// [`COUNTED_FAMILIES`], or a layer of one unlike what is counted there
+/// (a mixture of experts other than a plain one, `Experts::of`; norms
+/// of each head with weights of their own, Command R+'s and StableLM 2
+/// 12B's), whose norms, gates and attention kernels save other tensors;
+/// a dropout (of the attention, a sublayer's output or the embeddings),
+/// which saves its mask; and LoRA with a
 /// dropout, DoRA, bias terms, or anything besides the layers' adapters
 /// training (the head, token rows, `modules_to_save`, parameters).
 /// Gemma 2's soft-capped attention is counted as training computes it,
@@ -188,7 +189,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 }
 
 /// The families whose layers [`held_for_backward`] and
-/// [`adapter_params`] count ([`counted`]'s), as messages name them.
+/// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
     "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
 
@@ -239,13 +240,10 @@ fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Expert
     }
 }
 
-/// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
-/// Ministral's, Seed-OSS's, Arcee's, StarCoder2's, Nemotron's, ERNIE
-/// 4.5's, Helium's, GLM's and GLM-4's, OLMo 1's, Cohere 1's and 2's, StableLM's,
-/// Qwen2's, Granite's,
-/// Gemma's, Phi-3's, SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's,
-/// Qwen3-MoE's, OLMo 2's and 3's, EXAONE 4's and Hunyuan's with their
-/// queries' and keys' norms.
+/// Whether `c`'s layer is one this module counts ([`COUNTED_FAMILIES`]):
+/// the families' own, with their queries' and keys' norms where Qwen3's,
+/// Gemma 3's, Qwen3-MoE's, OLMo 2's and 3's, EXAONE 4's and Hunyuan's
+/// have them, and without where the others may.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
         Family::Llama
@@ -461,9 +459,9 @@ enum Norms {
     /// values in fp32 (in a 16-bit model the weights cast to fp32 each
     /// forward).
     Fp32,
-    /// StarCoder2's and StableLM's LayerNorms: each keeps its input as it is, and a
-    /// mean and a reciprocal a token in its dtype (libtorch's CPU
-    /// kernel's; its CUDA kernel keeps them in fp32).
+    /// StarCoder2's and StableLM's LayerNorms: each keeps its input as
+    /// it is, and a mean and a reciprocal a token in its dtype
+    /// (libtorch's CPU kernel's; its CUDA kernel keeps them in fp32).
     Layer,
     /// Nemotron's LayerNorms of `1 + weight`, a tensor of its own each
     /// forward in the weights' dtype.

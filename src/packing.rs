@@ -305,8 +305,16 @@ impl Documents {
 /// `[t, t]` bool: key `j` is query `i`'s or one of the `w - 1` before it
 /// (causal when `w >= t`).
 pub(crate) fn in_window(t: i64, w: i64, device: Device) -> Tensor {
-    let i = Tensor::arange(t, (Kind::Int64, device));
-    let back = i.unsqueeze(1) - i.unsqueeze(0);
+    in_window_from((0, t), t, w, device)
+}
+
+/// [`in_window`] of `n` queries at positions `first..first + n` over
+/// `keys` keys from position 0 (a generation's cache, or a block of the
+/// queries): `[n, keys]` bool.
+pub(crate) fn in_window_from((first, n): (i64, i64), keys: i64, w: i64, device: Device) -> Tensor {
+    let opts = (Kind::Int64, device);
+    let back = Tensor::arange_start(first, first + n, opts).unsqueeze(1)
+        - Tensor::arange(keys, opts).unsqueeze(0);
     back.ge(0).logical_and(&back.lt(w))
 }
 

@@ -18,8 +18,9 @@
 //! This is FlashAttention's memory (the scores of one block at a time)
 //! without its kernel: the scores are computed twice.
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
+use crate::packing::in_window_from;
 use crate::zero::glue::{self, GlueError};
 
 /// About this many scores (32 MiB in fp32) a block of queries computes.
@@ -29,15 +30,6 @@ const BLOCK_SCORES: i64 = 8 << 20;
 /// keys takes.
 pub(super) fn block_rows(rows: i64, heads: i64, t: i64) -> i64 {
     (BLOCK_SCORES / (rows * heads * t).max(1)).clamp(1, t.max(1))
-}
-
-/// Which keys each of `n` queries at positions `first..first + n` sees
-/// among `keys` from position 0: itself and the `window - 1` before it.
-pub(super) fn visible((first, n): (i64, i64), keys: i64, window: i64, device: Device) -> Tensor {
-    let opts = (Kind::Int64, device);
-    let back = Tensor::arange_start(first, first + n, opts).unsqueeze(1)
-        - Tensor::arange(keys, opts).unsqueeze(0);
-    back.ge(0).logical_and(&back.lt(window))
 }
 
 /// The eager attention's weights of queries `q` `[batch, heads, n, hd]`
@@ -86,7 +78,7 @@ pub(super) fn eager(
     first: i64,
     (scale, cap, window): (f64, Option<f64>, i64),
 ) -> Tensor {
-    let seen = visible((first, q.size()[2]), k.size()[2], window, q.device());
+    let seen = in_window_from((first, q.size()[2]), k.size()[2], window, q.device());
     weights((q, k), &seen, (None, sinks), (scale, cap)).matmul(v)
 }
 
@@ -120,6 +112,7 @@ pub(super) fn in_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::Device;
 
     /// `q`, `k`, `v` `[2, 3, t, 8]` that need gradients, from seed 3.
     fn qkv(t: i64) -> [Tensor; 3] {

@@ -10,7 +10,7 @@ use crate::blocks::Training;
 use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::param::{self, ParamAdapter};
 use crate::lora::{Adapted, LoraConfig};
-use crate::packing::{in_window, Documents};
+use crate::packing::{in_window, in_window_from, Documents};
 
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::delta_net::DeltaNet;
@@ -1771,8 +1771,7 @@ impl Layer {
         // Within a sliding window shorter than the sequence, a token sees
         // itself and the `w - 1` before it; else every earlier token.
         // Queries at `offset..offset + t` over keys from 0 (a cache's).
-        let visible =
-            |w: i64| super::eager_attention::visible((offset, t), offset + t, w, q.device());
+        let visible = |w: i64| in_window_from((offset, t), offset + t, w, q.device());
         let dropout = self.training.attention(c.attention_weights_dropout());
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
         // Scores the fused kernel cannot compute: soft-capped, beside

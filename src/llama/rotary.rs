@@ -360,13 +360,7 @@ fn rope(x: &Tensor, rotary: &Rotary, t: i64, positions: &Tensor) -> Tensor {
         turned.narrow(-1, rd / 2, rd / 2),
     );
     let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
-    let turned = (turned * cos + rotated * sin).to_kind(x.kind());
-    match rd < hd {
-        // Joined token by token, as `x` (the heads of each token's
-        // projection) is laid out.
-        true => token_major_cat(&turned, &x.narrow(-1, rd, hd - rd)),
-        false => turned,
-    }
+    with_unturned((turned * cos + rotated * sin).to_kind(x.kind()), x)
 }
 
 /// The interleaved rotary embedding of `x` `[batch, heads, seq,
@@ -395,23 +389,25 @@ fn rope_interleaved(x: &Tensor, freqs: &Tensor, scale: f64, fp32: bool) -> Tenso
     };
     let (even, odd) = (h.slice(-1, 0, rd, 2), h.slice(-1, 1, rd, 2));
     let rotated = Tensor::stack(&[odd.neg(), even], -1).flatten(-2, -1);
-    let turned = (h * cos + rotated * sin).to_kind(x.kind());
-    match rd < hd {
-        // Token by token, as in `rope` (GLM's, GPT-J's and CodeGen's
-        // partial turns): joined head by head, the output projection
-        // would copy the attention's output.
-        true => token_major_cat(&turned, &x.narrow(-1, rd, hd - rd)),
-        false => turned,
-    }
+    with_unturned((h * cos + rotated * sin).to_kind(x.kind()), x)
 }
 
-/// `[turned, rest]` along the last dimension of two `[batch, heads, seq,
-/// _]` tensors, laid out token by token (`[batch, seq, heads, _]`
-/// transposed), as a projection's heads are and a whole turn leaves
-/// them: the attention's output follows its queries' layout, and laid
-/// out head by head it would be copied for the output projection, the
-/// attention keeping one copy for backward and the projection the
-/// other.
-fn token_major_cat(turned: &Tensor, rest: &Tensor) -> Tensor {
-    Tensor::cat(&[&turned.transpose(1, 2), &rest.transpose(1, 2)], -1).transpose(1, 2)
+/// `turned`, the first dimensions of each head of `x` `[batch, heads,
+/// seq, head_dim]` turned, followed by the rest of `x`'s as they are
+/// (all of them turned: `turned` itself). Joined token by token
+/// (`[batch, seq, heads, _]` transposed), as a projection's heads are
+/// and a whole turn leaves them: the attention's output follows its
+/// queries' layout, and laid out head by head it would be copied for the
+/// output projection, the attention keeping one copy for backward and
+/// the projection the other (Phi-4-mini's, GLM's, GPT-J's partial
+/// turns).
+fn with_unturned(turned: Tensor, x: &Tensor) -> Tensor {
+    let (rd, hd) = (turned.size()[3], x.size()[3]);
+    match rd < hd {
+        true => {
+            let rest = x.narrow(-1, rd, hd - rd);
+            Tensor::cat(&[&turned.transpose(1, 2), &rest.transpose(1, 2)], -1).transpose(1, 2)
+        }
+        false => turned,
+    }
 }

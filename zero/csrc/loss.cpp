@@ -84,8 +84,8 @@ struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
       const int64_t n = std::min(block, rows - a);
       const auto t = targets.narrow(0, a, n);
       const auto logp = at::log_softmax(logits.narrow(0, a, n).to(fp), 1);
-      const auto counted = t.ne(ignore).sum().to(fp);
-      const auto dlogp = at::nll_loss_backward(seed, logp, t, {}, at::Reduction::Sum, ignore, counted);
+      // A sum's backward reads no total weight (the mean divided above).
+      const auto dlogp = at::nll_loss_backward(seed, logp, t, {}, at::Reduction::Sum, ignore, count);
       grad.narrow(0, a, n).copy_(at::_log_softmax_backward_data(dlogp, logp, 1, fp));
     }
     return {grad, at::Tensor(), at::Tensor(), at::Tensor()};

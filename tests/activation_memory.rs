@@ -1,8 +1,7 @@
 //! What libtorch allocates on the CPU is counted
 //! (`zrt::zero::glue::allocated`), and what a forward holds for its
 //! backward is what `zrt::llama::held_for_backward` (`zrt estimate
-//! --seq`) says, to the byte: Llama, Mistral, Qwen2, Granite, Qwen3,
-//! Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and Qwen3-MoE, in
+//! --seq`) says, to the byte: the families `COUNTED` lists, in
 //! fp32, bf16 and fp16, each layer's tensors saved or only its input
 //! (recomputed), alone and through a stage-3 engine, the whole model
 //! training or LoRA's adapters on a frozen base.
@@ -152,7 +151,11 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// attention and MLP side by side after one fp32 LayerNorm, pairs
 /// turned in fp32 (Cohere 2's in its windowed layers only), and
 /// StableLM's LayerNorms and quarter-turned heads, one after the other
-/// and side by side.
+/// and side by side (and as 2 12B's, a LayerNorm for each head's queries
+/// and keys), Command R+'s norms of each head with weights `[heads,
+/// head_dim]`, and Persimmon's fused projection of each head's query,
+/// key and value, each head LayerNormed before half of it turns, and its
+/// squared ReLU.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -234,6 +237,15 @@ const COUNTED: &[(&str, &str)] = &[
         "stablelm",
         r#", "use_parallel_residual": true, "pad_token_id": 96"#,
     ),
+    (
+        "stablelm",
+        r#", "use_parallel_residual": true, "qk_layernorm": true, "pad_token_id": 96"#,
+    ),
+    (
+        "cohere",
+        r#", "use_qk_norm": true, "pad_token_id": 96, "bos_token_id": 95, "eos_token_id": 94"#,
+    ),
+    ("persimmon", r#", "num_key_value_heads": 4"#),
 ];
 
 #[test]
@@ -318,6 +330,12 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     ]);
     let arcee_cases = renamed(&[(&["gate_proj"], "up_proj")]);
     let glm_cases = renamed(&[(&["gate_proj", "up_proj"], "gate_up_proj")]);
+    let persimmon_cases = renamed(&[
+        (&["q_proj", "k_proj", "v_proj"], "query_key_value"),
+        (&["o_proj"], "dense"),
+        (&["gate_proj", "up_proj"], "dense_h_to_4h"),
+        (&["down_proj"], "dense_4h_to_h"),
+    ]);
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -328,6 +346,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "phi3" => &phi3_cases[..],
             "mixtral" => &mixtral_cases[..],
             "arcee" | "nemotron" => &arcee_cases[..],
+            "persimmon" => &persimmon_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
             _ => &cases[..],
@@ -431,7 +450,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
     // Other families' layers save other tensors.
-    for t in ["persimmon", "apertus", "falcon"] {
+    for t in ["apertus", "falcon"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

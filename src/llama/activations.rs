@@ -4,7 +4,8 @@
 //! a gated MLP; Gemma's norms and scaled embeddings, and Gemma 2's and
 //! 3's norms of each sublayer's output; Phi-3's fused projections and
 //! partly turned heads; OLMo's norms after each sublayer; ungated MLPs
-//! and LayerNorms; heads turned by neighbouring pairs; plain mixtures of
+//! and LayerNorms; norms of each head, with weights shared or each
+//! head's own; heads turned by neighbouring pairs; plain mixtures of
 //! experts; Gemma 2's soft-capped attention), the whole model training
 //! or LoRA's adapters on a frozen base; and those adapters' parameters.
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it to what libtorch
@@ -38,9 +39,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 ///
 /// `None` where the count would be a guess: a family not in
 /// [`COUNTED_FAMILIES`], or a layer of one unlike what is counted there
-/// (a mixture of experts other than a plain one, `Experts::of`; norms
-/// of each head with weights of their own, Command R+'s and StableLM 2
-/// 12B's), whose norms, gates and attention kernels save other tensors;
+/// (a mixture of experts other than a plain one, `Experts::of`), whose
+/// gates save other tensors;
 /// a dropout (of the attention, a sublayer's output or the embeddings),
 /// which saves its mask; and LoRA with a
 /// dropout, DoRA, bias terms, or anything besides the layers' adapters
@@ -75,7 +75,7 @@ pub fn held_for_backward(
         rd: dims(c.rotary_dim()),
         heads: dims(c.heads),
         kv_heads: dims(c.kv_heads),
-        qk_norm: c.qk_norm,
+        qk_norm: QkNorm::of(c),
         norms: Norms::of(c.family),
         sandwich: matches!(
             c.family,
@@ -87,8 +87,9 @@ pub fn held_for_backward(
                 | Family::Glm4
         ),
         pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Exaone4),
-        whole_qk_norm: c.family.whole_qk_norm(),
-        fused: fused(c).0,
+        // Persimmon's heads interleave their queries, keys and values:
+        // each is a copy.
+        views: c.family == Family::Phi3,
         gated: gated(c),
         fp32_rope: matches!(
             c.family,
@@ -191,7 +192,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -199,23 +200,24 @@ fn dims(x: i64) -> u64 {
 }
 
 /// Whether `c`'s queries, keys and values are one projection (Phi-3's
-/// `qkv_proj`), and whether gate and up are one (Phi-3's and GLM's
-/// `gate_up_proj`).
+/// `qkv_proj`, Persimmon's `query_key_value`), and whether gate and up
+/// are one (Phi-3's and GLM's `gate_up_proj`).
 fn fused(c: &LlamaConfig) -> (bool, bool) {
     match c.family {
         Family::Phi3 => (true, true),
+        Family::Persimmon => (true, false),
         f if f.glm() => (false, true),
         _ => (false, false),
     }
 }
 
 /// Whether `c`'s MLP is gated (`down(act(gate(x)) * up(x))`): all but
-/// Arcee's and Nemotron's `down(relu2(up(x)))` and StarCoder2's
-/// `c_proj(gelu(c_fc(x)))`.
+/// Arcee's, Nemotron's and Persimmon's `down(relu2(up(x)))` and
+/// StarCoder2's `c_proj(gelu(c_fc(x)))`.
 fn gated(c: &LlamaConfig) -> bool {
     !matches!(
         c.family,
-        Family::Arcee | Family::Starcoder2 | Family::Nemotron
+        Family::Arcee | Family::Starcoder2 | Family::Nemotron | Family::Persimmon
     )
 }
 
@@ -258,9 +260,7 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Glm
         | Family::Glm4
         | Family::Olmo1
-        | Family::Cohere
         | Family::Cohere2
-        | Family::StableLm
         | Family::Qwen2
         | Family::Granite
         | Family::Gemma
@@ -275,6 +275,9 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Olmo3
         | Family::Exaone4
         | Family::HunyuanDense => c.qk_norm,
+        // Command R+'s and StableLM 2 12B's norms of each head,
+        // Persimmon's LayerNorms of each head.
+        Family::Cohere | Family::StableLm | Family::Persimmon => true,
         _ => false,
     }
 }
@@ -415,19 +418,26 @@ impl Ranks {
                 false => 0,
             }
         };
-        // StarCoder2's MLP under GPT-2's names.
-        let (up, down) = match c.family {
-            Family::Starcoder2 => ("mlp.c_fc", "mlp.c_proj"),
-            _ => ("mlp.up_proj", "mlp.down_proj"),
+        // StarCoder2's MLP under GPT-2's names, Persimmon's layer under
+        // GPT-NeoX's.
+        let (qkv, o, up, down) = match c.family {
+            Family::Starcoder2 => ("", "o_proj", "mlp.c_fc", "mlp.c_proj"),
+            Family::Persimmon => (
+                "query_key_value",
+                "dense",
+                "mlp.dense_h_to_4h",
+                "mlp.dense_4h_to_h",
+            ),
+            _ => ("qkv_proj", "o_proj", "mlp.up_proj", "mlp.down_proj"),
         };
         let (fused_qkv, fused_gate_up) = fused(c);
         let mut r = Self {
-            o: rank("self_attn.o_proj"),
+            o: rank(&format!("self_attn.{o}")),
             down: rank(down),
             ..Self::default()
         };
         match fused_qkv {
-            true => r.qkv = rank("self_attn.qkv_proj"),
+            true => r.qkv = rank(&format!("self_attn.{qkv}")),
             false => {
                 (r.q, r.k, r.v) = (
                     rank("self_attn.q_proj"),
@@ -459,7 +469,7 @@ enum Norms {
     /// values in fp32 (in a 16-bit model the weights cast to fp32 each
     /// forward).
     Fp32,
-    /// StarCoder2's and StableLM's LayerNorms: each keeps its input as
+    /// StarCoder2's, StableLM's and Persimmon's LayerNorms: each keeps its input as
     /// it is, and a mean and a reciprocal a token in its dtype
     /// (libtorch's CPU kernel's; its CUDA kernel keeps them in fp32).
     Layer,
@@ -481,10 +491,36 @@ impl Norms {
             Family::Olmo2 | Family::Olmo3 | Family::Helium | Family::Cohere | Family::Cohere2 => {
                 Self::Fp32
             }
-            Family::Starcoder2 | Family::StableLm => Self::Layer,
+            Family::Starcoder2 | Family::StableLm | Family::Persimmon => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,
+        }
+    }
+}
+
+/// How a layer normalises its queries and keys.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum QkNorm {
+    None,
+    /// Over each head, with weights every head shares (Qwen3's).
+    Shared,
+    /// Over each head, with weights of the head's own (Command R+'s
+    /// `[heads, head_dim]` in one norm, StableLM 2 12B's one LayerNorm
+    /// a head, each input a view of the projection's output).
+    OwnWeights,
+    /// Over the whole projections before the heads are split (OLMo's).
+    Whole,
+}
+
+impl QkNorm {
+    /// Those of `c`'s layers.
+    fn of(c: &LlamaConfig) -> Self {
+        match (c.qk_norm, c.family) {
+            (false, _) => Self::None,
+            (true, f) if f.whole_qk_norm() => Self::Whole,
+            (true, f) if f.qk_norm_of_each_head() => Self::OwnWeights,
+            (true, _) => Self::Shared,
         }
     }
 }
@@ -501,8 +537,8 @@ struct Widths {
     rd: u64,
     heads: u64,
     kv_heads: u64,
-    /// Qwen3's norms of each head's queries and keys.
-    qk_norm: bool,
+    /// The norms of the queries and keys, if any.
+    qk_norm: QkNorm,
     /// How its norms compute.
     norms: Norms,
     /// Gemma 2's and 3's norms of each sublayer's output too (OLMo 2's
@@ -510,12 +546,9 @@ struct Widths {
     sandwich: bool,
     /// Norms before each sublayer (all but OLMo 2's and 3's).
     pre_norms: bool,
-    /// OLMo's norms of queries and keys over the whole projections, not
-    /// each head.
-    whole_qk_norm: bool,
     /// Phi-3's fused projection: queries, keys and values one output,
     /// which the values, a view of it, keep whole.
-    fused: bool,
+    views: bool,
     /// A gated MLP (`down(act(gate(x)) * up(x))`), not Arcee's
     /// `down(relu2(up(x)))` or StarCoder2's `c_proj(gelu(c_fc(x)))`.
     gated: bool,
@@ -626,7 +659,7 @@ impl Widths {
             // input. Phi-3's values are a view of the fused projection's
             // output, all of which they keep.
             None if q_live || k_live || v_live => (
-                b * (2 * q + 2 * kv) + 4 * heads + self.fused as u64 * b * (q + kv),
+                b * (2 * q + 2 * kv) + 4 * heads + self.views as u64 * b * (q + kv),
                 0,
             ),
             None => (o_kept as u64 * b * q, 0),
@@ -661,8 +694,7 @@ impl Widths {
             norms: _,
             sandwich,
             pre_norms,
-            whole_qk_norm,
-            fused: _,
+            views: _,
             gated,
             fp32_rope,
             clipped,
@@ -695,18 +727,17 @@ impl Widths {
         }
         // Qwen3 norms each head's queries and keys before they turn,
         // OLMo the whole projections.
-        match (qk_norm, whole_qk_norm) {
-            (true, false) => {
-                per_token += self.norm_of((q, heads), q_live, full);
-                per_token += self.norm_of((kv, kv_heads), k_live, full);
-                per_forward += self.norm_weights_of(d, q_live) + self.norm_weights_of(d, k_live);
-            }
-            (true, true) => {
-                per_token +=
-                    self.norm_of((q, 1), q_live, full) + self.norm_of((kv, 1), k_live, full);
-                per_forward += self.norm_weights_of(q, q_live) + self.norm_weights_of(kv, k_live);
-            }
-            (false, _) => {}
+        let (q_rows, kv_rows, q_weights, kv_weights) = match qk_norm {
+            QkNorm::Shared => (heads, kv_heads, d, d),
+            QkNorm::OwnWeights => (heads, kv_heads, q, kv),
+            QkNorm::Whole => (1, 1, q, kv),
+            QkNorm::None => (0, 0, 0, 0),
+        };
+        if qk_norm != QkNorm::None {
+            per_token += self.norm_of((q, q_rows), q_live, full);
+            per_token += self.norm_of((kv, kv_rows), k_live, full);
+            per_forward +=
+                self.norm_weights_of(q_weights, q_live) + self.norm_weights_of(kv_weights, k_live);
         }
         // Each of queries and keys multiplies cos and sin (OLMo's and
         // ERNIE's in fp32), which it keeps when it needs a gradient.

@@ -60,7 +60,8 @@ pub struct EstimateArgs {
     /// saves), for the models whose layers it counts (Llama's, Mistral's,
     /// Ministral's, Qwen2's, Qwen3's, Granite's, Seed-OSS's, Arcee's,
     /// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's and
-    /// GLM-4's, Hunyuan's, Cohere 1's and 2's, StableLM's, Gemma 1-3's,
+    /// GLM-4's, Hunyuan's, Cohere 1's and 2's, StableLM's, Persimmon's,
+    /// Gemma 1-3's,
     /// Phi-3's, SmolLM3's, OLMo 1-3's, EXAONE 4's, Mixtral's,
     /// Qwen3-MoE's).
     #[arg(long)]
@@ -79,7 +80,7 @@ pub struct EstimateArgs {
     /// are LoRA's. Counted on the layers of Llama, Mistral, Ministral,
     /// Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron,
     /// ERNIE 4.5, Helium, GLM and GLM-4, Hunyuan, Cohere 1 and 2,
-    /// StableLM, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral
+    /// StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral
     /// and Qwen3-MoE (not on a mixture's router or experts).
     #[arg(long)]
     lora_r: Option<i64>,

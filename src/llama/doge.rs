@@ -95,17 +95,23 @@ impl DynamicMask {
             .unsqueeze(2)
     }
 
-    /// `visible` (bool, broadcasting to `[batch, heads, queries, keys]`)
-    /// narrowed, when there are more than `keep_window_size` keys, to
-    /// each query's `keep_window_size` visible keys of highest `bias`.
-    pub(super) fn kept(&self, bias: &Tensor, visible: &Tensor) -> Tensor {
-        let keys = bias.size()[3];
-        if keys <= self.keep {
-            return visible.shallow_clone();
-        }
-        let ranked = bias.where_scalarother(visible, f64::NEG_INFINITY);
-        let (_, top) = ranked.topk(self.keep, -1, true, false);
-        let chosen = ranked.zeros_like().scatter_value(-1, &top, 1.0).gt(0.5);
-        chosen.logical_and(visible)
+    /// `keep_window_size`: how many keys a query keeps ([`kept`]).
+    pub(super) fn keep(&self) -> i64 {
+        self.keep
     }
+}
+
+/// `visible` (bool, broadcasting to `[batch, heads, queries, keys]`)
+/// narrowed, when there are more than `keep` keys, to each query's
+/// `keep` visible keys of highest `bias` (a row's choice its own, so a
+/// block of queries chooses as the whole does).
+pub(super) fn kept(bias: &Tensor, visible: &Tensor, keep: i64) -> Tensor {
+    let keys = bias.size()[3];
+    if keys <= keep {
+        return visible.shallow_clone();
+    }
+    let ranked = bias.where_scalarother(visible, f64::NEG_INFINITY);
+    let (_, top) = ranked.topk(keep, -1, true, false);
+    let chosen = ranked.zeros_like().scatter_value(-1, &top, 1.0).gt(0.5);
+    chosen.logical_and(visible)
 }

@@ -1755,8 +1755,8 @@ impl Layer {
     /// `[batch, heads, seq, hd]`: libtorch's fused kernel, or, when the
     /// scores are soft-capped (Gemma 2), `transformers`' eager attention
     /// operation for operation (the fused kernel cannot cap them, nor add
-    /// GPT-OSS's sinks; in training a block of queries at a time,
-    /// `eager_attention`). Packed
+    /// GPT-OSS's sinks or Doge's bias; in training without dropout a
+    /// block of queries at a time, `eager_attention`). Packed
     /// `documents` each attend within themselves (and their window).
     fn attention(
         &self,
@@ -1855,10 +1855,11 @@ impl Layer {
             v.repeat_interleave_self_int(groups, 1, None),
         );
         let scale = scale.unwrap_or((c.head_dim as f64).powf(-0.5));
+        let dynamic = (self.dynamic.as_ref()).and_then(|m| Some((bias.as_ref()?, m.keep())));
         let eager = |q: &Tensor, k: &Tensor, v: &Tensor, visible: &Tensor| {
-            let (bias, visible) = match (&self.dynamic, &bias) {
-                (Some(m), Some(bias)) => (Some(bias), m.kept(bias, visible)),
-                _ => (None, visible.shallow_clone()),
+            let (bias, visible) = match dynamic {
+                Some((bias, keep)) => (Some(bias), super::doge::kept(bias, visible, keep)),
+                None => (None, visible.shallow_clone()),
             };
             let extra = (bias, self.sinks.as_ref());
             let weights =
@@ -1879,16 +1880,19 @@ impl Layer {
                     eager(q, k, v, &in_window(n, window, q.device()))
                 }),
             Some(d) => eager(q, &k, &v, &d.visible_within(self.window)),
-            // Training on soft-capped scores or beside sinks: a block of
-            // queries at a time, each computed again in backward, so
-            // that no layer keeps its scores.
-            None if offset == 0 && dropout == 0.0 && bias.is_none() && q.requires_grad() => {
+            // Training on soft-capped scores, beside sinks or under
+            // Doge's dynamic mask: a block of queries at a time, each
+            // computed again in backward, so that no layer keeps its
+            // scores.
+            None if offset == 0 && dropout == 0.0 && q.requires_grad() => {
                 let settings = (scale, c.attn_softcap, window);
-                super::eager_attention::in_blocks((q, &k, &v), self.sinks.as_ref(), settings)
-                    .unwrap_or_else(|e| {
+                let extra = (dynamic, self.sinks.as_ref());
+                super::eager_attention::in_blocks((q, &k, &v), extra, settings).unwrap_or_else(
+                    |e| {
                         tracing::warn!("{e}: the eager attention runs whole");
                         eager(q, &k, &v, &visible(window))
-                    })
+                    },
+                )
             }
             None => eager(q, &k, &v, &visible(window)),
         }

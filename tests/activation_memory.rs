@@ -155,7 +155,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// and keys), Command R+'s norms of each head with weights `[heads,
 /// head_dim]`, and Persimmon's fused projection of each head's query,
 /// key and value, each head LayerNormed before half of it turns, and its
-/// squared ReLU.
+/// squared ReLU; GPT-OSS's attention beside sinks, in a window shorter
+/// than the row every other layer, and its clamped, biased experts.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -246,6 +247,10 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "use_qk_norm": true, "pad_token_id": 96, "bos_token_id": 95, "eos_token_id": 94"#,
     ),
     ("persimmon", r#", "num_key_value_heads": 4"#),
+    (
+        "gpt_oss",
+        r#", "head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "pad_token_id": 96"#,
+    ),
 ];
 
 #[test]
@@ -336,6 +341,14 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["gate_proj", "up_proj"], "dense_h_to_4h"),
         (&["down_proj"], "dense_4h_to_h"),
     ]);
+    // GPT-OSS's MLP is its experts alone, whose matrices take adapters
+    // through `target_parameters` (not counted): the MLP's targets moved
+    // to the attention.
+    let gpt_oss_cases = renamed(&[
+        (&["gate_proj"], "k_proj"),
+        (&["up_proj"], "v_proj"),
+        (&["down_proj"], "o_proj"),
+    ]);
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -347,6 +360,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "mixtral" => &mixtral_cases[..],
             "arcee" | "nemotron" => &arcee_cases[..],
             "persimmon" => &persimmon_cases[..],
+            "gpt_oss" => &gpt_oss_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
             _ => &cases[..],

@@ -6,7 +6,8 @@
 //! partly turned heads; OLMo's norms after each sublayer; ungated MLPs
 //! and LayerNorms; norms of each head, with weights shared or each
 //! head's own; heads turned by neighbouring pairs; plain mixtures of
-//! experts; Gemma 2's soft-capped attention), the whole model training
+//! experts, GPT-OSS's clamped ones; Gemma 2's soft-capped attention and
+//! GPT-OSS's beside its sinks), the whole model training
 //! or LoRA's adapters on a frozen base; and those adapters' parameters.
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it to what libtorch
 //! allocates, to the byte.
@@ -45,10 +46,11 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// which saves its mask; and LoRA with a
 /// dropout, DoRA, bias terms, or anything besides the layers' adapters
 /// training (the head, token rows, `modules_to_save`, parameters).
-/// Gemma 2's soft-capped attention is counted as training computes it,
-/// a block of queries at a time and again in backward
-/// (`eager_attention`), keeping no scores; where its queries need no
-/// gradient it computes them one by one, eight bytes a score a head.
+/// Gemma 2's soft-capped attention and GPT-OSS's beside its sinks are
+/// counted as training computes them, a block of queries at a time and
+/// again in backward (`eager_attention`), keeping no scores; where the
+/// queries need no gradient they are computed whole, four to eight
+/// bytes a score a head.
 pub fn held_for_backward(
     c: &LlamaConfig,
     (rows, seq): (u64, u64),
@@ -102,7 +104,12 @@ pub fn held_for_backward(
         ),
         clipped: c.clip_qkv.is_some(),
         parallel: c.parallel,
-        eager: c.attn_softcap.map(|_| (rows, seq)),
+        eager: (c.attn_softcap.is_some() || c.family == Family::GptOss).then_some(Eager {
+            rows,
+            seq,
+            capped: c.attn_softcap.is_some(),
+            sinks: c.family == Family::GptOss,
+        }),
     };
     let tokens = rows * seq;
     let full = lora.is_none();
@@ -192,7 +199,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen3-MoE and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -267,7 +274,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Gemma2
         | Family::Phi3
         | Family::SmolLm3
-        | Family::Mixtral => !c.qk_norm,
+        | Family::Mixtral
+        | Family::GptOss => !c.qk_norm,
         Family::Qwen3
         | Family::Gemma3
         | Family::Qwen3Moe
@@ -297,23 +305,28 @@ fn adapters_alone(l: &LoraConfig) -> bool {
         && !l.targets_by_name("model.embed_tokens")
 }
 
-/// A layer's mixture of experts (Mixtral's, Qwen3-MoE's): each token's
-/// top `k` of `count` experts by the router's softmax (renormalised
-/// when `normalize`), each expert a gated MLP `width` wide run on the
-/// tokens that chose it.
+/// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, GPT-OSS's):
+/// each token's top `k` of `count` experts by the router's softmax
+/// (renormalised when `normalize`), each expert a gated MLP `width`
+/// wide run on the tokens that chose it.
 struct Experts {
     count: u64,
     k: u64,
     width: u64,
     normalize: bool,
+    /// GPT-OSS's experts: their gate and up one biased product, clamped,
+    /// `(up + 1) * gate * sigmoid(1.702 gate)`.
+    clamped: bool,
 }
 
 impl Experts {
     /// `m`'s experts, where this module counts them: a plain softmax
     /// router, no shared expert, no jitter, no balancing loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
-        let plain = matches!(c.family, Family::Mixtral | Family::Qwen3Moe)
-            && m.shared.is_none()
+        let plain = matches!(
+            c.family,
+            Family::Mixtral | Family::Qwen3Moe | Family::GptOss
+        ) && m.shared.is_none()
             && m.grouped.is_none()
             && m.sparse_mixer.is_none()
             && m.balance.is_none()
@@ -324,6 +337,7 @@ impl Experts {
             k: dims(m.top_k),
             width: dims(m.intermediate),
             normalize: m.normalize,
+            clamped: c.family == Family::GptOss,
         })
     }
 
@@ -337,6 +351,7 @@ impl Experts {
             k,
             width,
             normalize,
+            clamped,
         } = *self;
         // A training router keeps its input; each expert's first two
         // matrices their rows of it, gathered; the down projection its
@@ -352,8 +367,14 @@ impl Experts {
             kept += 16 * k;
             // The weight of each row and the row's output, each kept
             // for the other's gradient; the activation's input, and the
-            // product's two factors.
-            kept += k * b + k * b * h + 3 * k * b * width;
+            // product's two factors. GPT-OSS's two clamps keep their
+            // input, the biased gate and up whole, and the rest the
+            // clamped gate, its sigmoid, their product and `up + 1`.
+            let inner = match clamped {
+                true => 6,
+                false => 3,
+            };
+            kept += k * b + k * b * h + inner * k * b * width;
         }
         kept
     }
@@ -369,6 +390,10 @@ fn attended_in(live: bool, full: bool, r: &Ranks) -> bool {
 /// (which [`Experts`] does not count).
 fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) -> bool {
     let (block, names) = match c.family {
+        // GPT-OSS's router is no linear layer (it takes no adapter), and
+        // its experts take them through `target_parameters` alone, which
+        // `adapters_alone` refuses.
+        Family::GptOss => return false,
         Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     };
@@ -446,6 +471,12 @@ impl Ranks {
                 )
             }
         }
+        // A mixture's layer has no dense MLP (where its experts' names
+        // are a dense MLP's, as GPT-OSS's, they are none of its).
+        if c.moe_layer(layer) {
+            r.down = 0;
+            return r;
+        }
         match (fused_gate_up, gated(c)) {
             (true, _) => r.gate_up = rank("mlp.gate_up_proj"),
             (false, true) => (r.gate, r.up) = (rank("mlp.gate_proj"), rank(up)),
@@ -488,9 +519,12 @@ impl Norms {
             Family::Gemma | Family::Gemma2 | Family::Gemma3 => Self::Offset,
             // Cohere's LayerNorm keeps the same: its centred input in
             // fp32 and a reciprocal, the normalized values in fp32.
-            Family::Olmo2 | Family::Olmo3 | Family::Helium | Family::Cohere | Family::Cohere2 => {
-                Self::Fp32
-            }
+            Family::Olmo2
+            | Family::Olmo3
+            | Family::Helium
+            | Family::Cohere
+            | Family::Cohere2
+            | Family::GptOss => Self::Fp32,
             Family::Starcoder2 | Family::StableLm | Family::Persimmon => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
@@ -561,10 +595,21 @@ struct Widths {
     /// Cohere's attention and MLP side by side after one norm
     /// (`x + attn(n(x)) + mlp(n(x))`): both read one normalised tensor.
     parallel: bool,
-    /// Gemma 2's soft-capped attention scores, computed by blocks of
-    /// queries or one by one rather than by the fused kernel: the rows
-    /// and the tokens of each.
-    eager: Option<(u64, u64)>,
+    /// Gemma 2's soft-capped attention scores, GPT-OSS's beside its
+    /// sinks, computed by blocks of queries or whole rather than by the
+    /// fused kernel.
+    eager: Option<Eager>,
+}
+
+/// Attention computed as `transformers`' eager attention computes it
+/// (`eager_attention`): over `rows` rows of `seq` tokens, its scores
+/// soft-capped (Gemma 2's) or beside a sink a head (GPT-OSS's).
+#[derive(Clone, Copy)]
+struct Eager {
+    rows: u64,
+    seq: u64,
+    capped: bool,
+    sinks: bool,
 }
 
 impl Widths {
@@ -621,23 +666,28 @@ impl Widths {
             b, q, kv, heads, ..
         } = *self;
         match self.eager {
-            // Soft-capped scores whose queries train: a block of queries
-            // at a time, each computed again in backward
-            // (`eager_attention`), keeping the queries, the keys and
-            // values repeated for every head of their group, and the
-            // generator's state for each block. The output is copied
-            // token by token for the output projection.
-            Some((rows, seq)) if q_live => {
+            // Scores whose queries train: a block of queries at a time,
+            // each computed again in backward (`eager_attention`),
+            // keeping the queries, the keys and values repeated for every
+            // head of their group, and the generator's state for each
+            // block. The output is copied token by token for the output
+            // projection.
+            Some(Eager { rows, seq, .. }) if q_live => {
                 let (r, h, s) = (rows as i64, heads as i64, seq as i64);
                 let blocks = seq.div_ceil(super::eager_attention::block_rows(r, h, s) as u64);
                 (3 * b * q + o_kept as u64 * b * q, blocks * RNG_STATE_BYTES)
             }
-            Some((rows, seq)) => {
-                // Soft-capped scores: computed one by one, each product
-                // keeping what the other factor's gradient needs (the
-                // queries, the keys and values repeated for every head
-                // of their group); the cap's tanh, the mask and the
-                // fp32 softmax where the scores need a gradient, and the
+            Some(Eager {
+                rows,
+                seq,
+                capped,
+                sinks,
+            }) => {
+                // Whole: each product keeping what the other factor's
+                // gradient needs (the queries, the keys and values
+                // repeated for every head of their group); the cap's
+                // tanh, the mask and the fp32 softmax (over the sinks'
+                // column too) where the scores need a gradient, and the
                 // weights in the compute dtype where the values do (in
                 // fp32 the softmax's own). The output is copied token by
                 // token for the output projection.
@@ -646,12 +696,13 @@ impl Widths {
                 if o_kept {
                     per_token += b * q;
                 }
+                let columns = seq + sinks as u64;
                 let weights = match b {
-                    4 => (v_live && !qk_live) as u64 * 4,
-                    _ => v_live as u64 * b,
+                    4 => (v_live && !qk_live) as u64 * 4 * columns,
+                    _ => v_live as u64 * b * seq,
                 };
-                let per_score = qk_live as u64 * (b + 4) + weights;
-                let scores = rows * heads * seq * seq * per_score + qk_live as u64 * seq * seq;
+                let softmax = qk_live as u64 * (capped as u64 * b * seq + 4 * columns);
+                let scores = rows * heads * seq * (softmax + weights) + qk_live as u64 * seq * seq;
                 (per_token, scores)
             }
             // The fused attention keeps its inputs, output and fp32 log-

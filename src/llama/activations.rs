@@ -314,9 +314,6 @@ struct Experts {
     k: u64,
     width: u64,
     normalize: bool,
-    /// GPT-OSS's experts: their gate and up one biased product, clamped,
-    /// `(up + 1) * gate * sigmoid(1.702 gate)`.
-    clamped: bool,
 }
 
 impl Experts {
@@ -337,7 +334,6 @@ impl Experts {
             k: dims(m.top_k),
             width: dims(m.intermediate),
             normalize: m.normalize,
-            clamped: c.family == Family::GptOss,
         })
     }
 
@@ -351,7 +347,6 @@ impl Experts {
             k,
             width,
             normalize,
-            clamped,
         } = *self;
         // A training router keeps its input; each expert's first two
         // matrices their rows of it, gathered; the down projection its
@@ -366,15 +361,10 @@ impl Experts {
             // rows are gathered, weighed and added back.
             kept += 16 * k;
             // The weight of each row and the row's output, each kept
-            // for the other's gradient; the activation's input, and the
-            // product's two factors. GPT-OSS's two clamps keep their
-            // input, the biased gate and up whole, and the rest the
-            // clamped gate, its sigmoid, their product and `up + 1`.
-            let inner = match clamped {
-                true => 6,
-                false => 3,
-            };
-            kept += k * b + k * b * h + inner * k * b * width;
+            // for the other's gradient; the gate and up, from which
+            // backward computes the activation again (`glu`: GPT-OSS's
+            // clamped one from its biased gate and up, one tensor).
+            kept += k * b + k * b * h + 2 * k * b * width;
         }
         kept
     }
@@ -829,10 +819,17 @@ impl Widths {
                 let up_live = normed || full || gate_up || r.up > 0;
                 let inner_live = match gated {
                     // The activation keeps the gate; the product keeps
-                    // each factor for the other's gradient.
+                    // each factor for the other's gradient; where both
+                    // need one, the gate and up alone, from which
+                    // backward computes the activation again (`glu`).
                     true => {
                         let gate_live = normed || full || gate_up || r.gate > 0;
-                        per_token += b * i * (2 * gate_live as u64 + up_live as u64);
+                        per_token += b
+                            * i
+                            * match (gate_live, up_live) {
+                                (true, true) => 2,
+                                (gate, up) => 2 * gate as u64 + up as u64,
+                            };
                         gate_live || up_live
                     }
                     // Arcee's ReLU keeps its output, which the square

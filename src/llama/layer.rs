@@ -375,7 +375,7 @@ impl Rows {
         let of = |w: &Tensor| w.narrow(0, e * self.width, self.width);
         let gate = x.matmul(&of(&self.w1).tr());
         let up = x.matmul(&of(&self.v1).tr());
-        (act.apply(&gate) * up).matmul(&of(&self.w2))
+        super::glu::gated(act, &gate, &up).matmul(&of(&self.w2))
     }
 }
 
@@ -417,7 +417,7 @@ impl Parallel {
             h += a.left(e, x);
         }
         let (gate, up) = halves(&h);
-        let y = act.apply(&gate) * up;
+        let y = super::glu::gated(act, &gate, &up);
         let out = y.linear::<Tensor>(&self.output.get(e), None);
         match &self.output_lora {
             Some(a) => out + a.left(e, &y),
@@ -480,10 +480,6 @@ const RANDN: nn::Init = nn::Init::Randn {
 /// class's `mp_num`, the TPU cores it was trained on).
 pub(super) const CODEGEN_BLOCKS: i64 = 4;
 
-/// GPT-OSS's activation's constants (its class's, not its config's).
-const OSS_ALPHA: f64 = 1.702;
-const OSS_LIMIT: f64 = 7.0;
-
 impl Stacked {
     /// Under `p` (`mlp.experts`), `m`'s experts of a model `d` wide,
     /// GPT-OSS's when `biased`, with the adapters `lora` puts on them.
@@ -539,14 +535,10 @@ impl Stacked {
         let gate_up = with(x.matmul(&self.gate_up.get(e)), &self.gate_up_lora, x);
         let Some((gate_up_bias, down_bias)) = &self.biases else {
             let (gate, up) = halves(&gate_up);
-            let h = up * act.apply(&gate);
+            let h = super::glu::gated(act, &gate, &up);
             return with(h.matmul(&self.down.get(e)), &self.down_lora, &h);
         };
-        let gate_up = gate_up + gate_up_bias.get(e);
-        let gate = gate_up.slice(-1, 0, None, 2).clamp_max(OSS_LIMIT);
-        let up = gate_up.slice(-1, 1, None, 2).clamp(-OSS_LIMIT, OSS_LIMIT);
-        let glu = &gate * (&gate * OSS_ALPHA).sigmoid();
-        let h = (up + 1.0) * glu;
+        let h = super::glu::clamped(&(gate_up + gate_up_bias.get(e)));
         with(h.matmul(&self.down.get(e)), &self.down_lora, &h) + down_bias.get(e)
     }
 }
@@ -602,7 +594,7 @@ struct Shared {
 /// A gated MLP's `down(act(gate(x)) * up(x))`.
 fn gated(mlp: &[Adapted; 3], x: &Tensor, act: Activation) -> Tensor {
     let [gate, up, down] = mlp;
-    down.forward(&(act.apply(&gate.forward(x)) * up.forward(x)))
+    down.forward(&super::glu::gated(act, &gate.forward(x), &up.forward(x)))
 }
 
 impl Experts {
@@ -804,7 +796,7 @@ impl Experts {
         // routed sum last.
         if let Some(s) = &self.shared {
             let (gate, up) = s.gate_up.forward(&h);
-            let y = s.down.forward(&(act.apply(&gate) * up));
+            let y = s.down.forward(&super::glu::gated(act, &gate, &up));
             out += match &s.gate {
                 Some(gate) => gate.forward(&h).sigmoid() * y,
                 None => y,
@@ -1487,7 +1479,7 @@ impl Layer {
                         down_proj.forward(&(up * c.activation.apply(&(gate * by_gate)))) * by_down
                     }
                     None => {
-                        let product = c.activation.apply(&gate) * up;
+                        let product = super::glu::gated(c.activation, &gate, &up);
                         match &self.sub_norms {
                             Some((_, mlp)) => down_proj.forward(&mlp.forward(&product)),
                             None => down_proj.forward(&product),

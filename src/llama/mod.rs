@@ -62,6 +62,7 @@ mod doge;
 mod eager_attention;
 mod falcon;
 mod family;
+mod glu;
 mod gpt_bigcode;
 mod gpt_neo;
 mod gptj;

@@ -929,7 +929,9 @@ impl Hybrid {
             }
             GateUp::Split(gate, up) => (gate.forward(&m), up.forward(&m)),
         };
-        let mlp = s.down.forward(&(self.activation.apply(&gate) * up));
+        let mlp = s
+            .down
+            .forward(&super::glu::gated(self.activation, &gate, &up));
         self.linear.forward(&mlp)
     }
 }

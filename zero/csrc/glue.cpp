@@ -56,9 +56,13 @@ struct Segment : torch::CustomClassHolder {
   void (*recomputed)(void *);
   void (*drop)(void *);
   void *ctx;
+  // Whether the segment may draw random numbers (a dropout): the
+  // generator's state is then kept for the recompute. An activation draws
+  // none, and keeps no state.
+  bool draws;
   Segment(char *(*run_)(void *, at::Tensor **, size_t, at::Tensor **), void (*recomputed_)(void *),
-          void (*drop_)(void *), void *ctx_)
-      : run(run_), recomputed(recomputed_), drop(drop_), ctx(ctx_) {}
+          void (*drop_)(void *), void *ctx_, bool draws_)
+      : run(run_), recomputed(recomputed_), drop(drop_), ctx(ctx_), draws(draws_) {}
   ~Segment() override { drop(ctx); }
   Segment(const Segment &) = delete;
   Segment &operator=(const Segment &) = delete;
@@ -170,7 +174,7 @@ struct Recompute : public torch::autograd::Function<Recompute> {
       ctx->saved_data["rng"] = std::move(segment->first_rng);
       out = std::move(segment->first);
     } else {
-      ctx->saved_data["rng"] = rng_state();
+      ctx->saved_data["rng"] = segment->draws ? rng_state() : at::Tensor();
       out = segment->call(xs);
     }
     ctx->saved_data["segment"] = c10::IValue::make_capsule(std::move(segment));
@@ -208,18 +212,26 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     for (const auto &x : saved) {
       inputs.push_back(create ? x : x.detach().requires_grad_(x.requires_grad()));
     }
-    // The forward's random draws again, then the generator where it was.
-    auto now = rng_state();
-    set_rng_state(ctx->saved_data["rng"].toTensor());
+    // The forward's random draws again, then the generator where it was
+    // (a segment that draws none kept no state).
+    const auto drawn = ctx->saved_data["rng"].toTensor();
+    const auto now = drawn.defined() ? rng_state() : at::Tensor();
+    if (drawn.defined()) {
+      set_rng_state(drawn);
+    }
     at::Tensor out;
     try {
       at::AutoGradMode grad(true);
       out = segment->call(inputs);
     } catch (...) {
-      set_rng_state(now);
+      if (now.defined()) {
+        set_rng_state(now);
+      }
       throw;
     }
-    set_rng_state(now);
+    if (now.defined()) {
+      set_rng_state(now);
+    }
     // One gradient per forward input: none for the segment and the
     // anchor, then each tensor's (undefined where it needs none).
     torch::autograd::variable_list result(inputs.size() + 2);
@@ -657,10 +669,11 @@ char *zrt_cpu_rng_set(const uint8_t *in, size_t len) {
 // once when the output needs no gradient, and on error.
 char *zrt_checkpoint(at::Tensor *const *inputs, size_t n,
                      char *(*run)(void *, at::Tensor **, size_t, at::Tensor **),
-                     void (*recomputed)(void *), void (*drop)(void *), void *ctx, at::Tensor **out) {
+                     void (*recomputed)(void *), void (*drop)(void *), void *ctx, bool draws,
+                     at::Tensor **out) {
   c10::intrusive_ptr<Segment> segment;
   try {
-    segment = c10::make_intrusive<Segment>(run, recomputed, drop, ctx);
+    segment = c10::make_intrusive<Segment>(run, recomputed, drop, ctx, draws);
   } catch (const std::exception &e) {
     drop(ctx);
     return to_error(e.what());
@@ -680,7 +693,7 @@ char *zrt_checkpoint(at::Tensor *const *inputs, size_t n,
     // and the anchor (see `Recompute`) takes over.
     bool any_input_grad = std::any_of(xs.begin(), xs.end(), [](const at::Tensor &x) { return x.requires_grad(); });
     if (!any_input_grad && at::GradMode::is_enabled()) {
-      auto rng = rng_state();
+      auto rng = draws ? rng_state() : at::Tensor();
       auto y = segment->call(xs);
       if (!y.requires_grad()) {
         *out = new at::Tensor(std::move(y));

@@ -110,6 +110,7 @@ mod ffi {
             recomputed: extern "C" fn(*mut std::ffi::c_void),
             drop: extern "C" fn(*mut std::ffi::c_void),
             ctx: *mut std::ffi::c_void,
+            draws: bool,
             out: *mut *mut C_tensor,
         ) -> *mut c_char;
     }
@@ -601,6 +602,17 @@ pub fn checkpoint(
     checkpoint_with(inputs, f, || {})
 }
 
+/// [`checkpoint`] of a segment that draws no random numbers (an
+/// activation): no generator state is kept, so the forward keeps its
+/// inputs and nothing else. A segment that draws anyway draws other
+/// numbers in the recompute, and its gradient is wrong.
+pub fn checkpoint_without_draws(
+    inputs: &[&Tensor],
+    f: impl Fn(&[Tensor]) -> Result<Tensor, String> + Send + 'static,
+) -> Result<Tensor, GlueError> {
+    segment(inputs, (Box::new(f), Box::new(|| {})), false)
+}
+
 /// [`checkpoint`], calling `recomputed` each time a backward has run `f`
 /// again and back-propagated through it, accumulating its parameters'
 /// gradients (not for `torch.autograd.grad`, which accumulates none).
@@ -610,10 +622,17 @@ pub fn checkpoint_with(
     f: impl Fn(&[Tensor]) -> Result<Tensor, String> + Send + 'static,
     recomputed: impl Fn() + Send + 'static,
 ) -> Result<Tensor, GlueError> {
-    let boxed = Box::new(SegmentFn {
-        body: Box::new(f),
-        recomputed: Box::new(recomputed),
-    });
+    segment(inputs, (Box::new(f), Box::new(recomputed)), true)
+}
+
+/// The checkpointed segment `body` on `inputs`, keeping the generator's
+/// state for its recompute when it `draws`.
+fn segment(
+    inputs: &[&Tensor],
+    (body, recomputed): (SegmentBody, Box<dyn Fn() + Send>),
+    draws: bool,
+) -> Result<Tensor, GlueError> {
+    let boxed = Box::new(SegmentFn { body, recomputed });
     let ctx = Box::into_raw(boxed) as *mut std::ffi::c_void;
     let handles: Vec<*mut torch_sys::C_tensor> =
         inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
@@ -628,6 +647,7 @@ pub fn checkpoint_with(
             segment_recomputed,
             drop_segment,
             ctx,
+            draws,
             &mut out,
         )
     })?;

@@ -2692,6 +2692,7 @@ fn parity(name: &str) {
             let first = Tensor::from_slice(&first).view_as(&want_logits);
             let diff = (&first - &want_logits).abs().max().double_value(&[]);
             let scale = want_logits.abs().max().double_value(&[]);
+            common::margin(&format!("{what}: logits"), diff, tol * scale.max(1.0));
             assert!(
                 diff < tol * scale.max(1.0),
                 "{what}: logits differ by {diff} (scale {scale})"
@@ -2700,6 +2701,11 @@ fn parity(name: &str) {
                 .map(|s| losses.double_value(&[s, rank as i64]))
                 .collect();
             for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+                common::margin(
+                    &format!("{what}, step {s}: loss"),
+                    (g - w).abs(),
+                    tol * w.abs(),
+                );
                 assert!(
                     (g - w).abs() < tol * w.abs(),
                     "{what}, step {s}: loss {g}, transformers {w}"
@@ -2738,6 +2744,8 @@ fn parity(name: &str) {
     {
         let export = theirs.next().unwrap();
         for (rank, (after, t)) in afters.iter().zip(&export).enumerate() {
+            let how = format!("{what}, rank {rank}: exported");
+            common::margin(&how, (after - t).abs(), tol * t.abs());
             assert!(
                 (after - t).abs() < tol * t.abs(),
                 "{what}, rank {rank}: exported, transformers computes {t}, zrt {after}"

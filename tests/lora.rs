@@ -1743,6 +1743,8 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
             (loss, err)
         });
         for (rank, ((loss, err), t)) in reloaded.iter().zip(&trained).enumerate() {
+            let how = format!("{what}, rank {rank}: reloaded");
+            common::margin(&how, (loss - t).abs(), tol.max(1e-4) * t.abs());
             assert!(
                 (loss - t).abs() <= tol.max(1e-4) * t.abs(),
                 "{what}, rank {rank}: reloaded {loss}, peft {t}"
@@ -1752,6 +1754,8 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         for (s, step) in theirs.iter().enumerate() {
             for (rank, t) in step.iter().enumerate() {
                 let g = got[rank].1[s];
+                let how = format!("{what}: step {s}, rank {rank}");
+                common::margin(&how, (g - t).abs(), tol * t.abs());
                 assert!(
                     (g - t).abs() <= tol * t.abs(),
                     "{what}: step {s}, rank {rank}: zrt {g}, peft {t}"

@@ -409,6 +409,29 @@ pub fn example(name: &str) -> std::path::PathBuf {
     profile.join("examples").join(name)
 }
 
+/// Records how close a comparison with a reference came to its bound:
+/// `diff` of `bound`, for `what`. Each line goes to
+/// `<target>/tmp/parity-margins.tsv`, which `cargo xtask test` empties
+/// before the tests and summarises after them (the closest to their
+/// bounds first), so that a bound tuned on one CPU shows its margin on
+/// every other one before it fails there.
+pub fn margin(what: &str, diff: f64, bound: f64) {
+    use std::io::Write;
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("parity-margins.tsv");
+    let what = what.replace(['\t', '\n'], " ");
+    let line = format!("{}\t{diff:.3e}\t{bound:.3e}\t{what}\n", diff / bound);
+    // One write a line, appended: the tests' threads and processes each
+    // add whole lines. A margin that cannot be written is no test's
+    // failure.
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path);
+    if let Ok(mut f) = file {
+        let _ = f.write_all(line.as_bytes());
+    }
+}
+
 /// Runs `cmd` (a launch of the main job) to its end in a fresh folder,
 /// removed after, so that what the job writes at relative paths (its
 /// config's TensorBoard folder, `target/runs`) stays out of the checkout,

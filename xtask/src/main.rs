@@ -56,10 +56,15 @@ fn run(args: &[String]) -> Result<ExitCode> {
         }
         "test" => {
             setup(&root)?;
-            cargo(
+            let margins = target_dir(&root).join("tmp").join(MARGINS);
+            // This run's margins alone (a file the tests append to).
+            let _ = std::fs::remove_file(&margins);
+            let code = cargo(
                 &root,
                 &[&["test", "--workspace"], &str_refs(rest)[..]].concat(),
-            )
+            );
+            print_margins(&margins);
+            code
         }
         "demo" => {
             setup(&root)?;
@@ -84,6 +89,45 @@ fn run(args: &[String]) -> Result<ExitCode> {
             eprint!("unknown command `{other}`\n\n{USAGE}");
             Ok(ExitCode::from(2))
         }
+    }
+}
+
+/// The file the parity tests record their margins in
+/// (`tests/common`'s `margin`), under `<target>/tmp`.
+const MARGINS: &str = "parity-margins.tsv";
+
+/// How many of the closest margins a test run prints.
+const CLOSEST: usize = 12;
+
+/// Prints the comparisons with a reference that came closest to their
+/// bounds in this run (`MARGINS`, one line each: the share of the bound,
+/// the difference, the bound, what was compared), so that a bound tuned
+/// on one CPU shows its margin on every other before it fails there.
+fn print_margins(path: &Path) {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return;
+    };
+    let mut rows: Vec<(f64, &str)> = (text.lines())
+        .filter_map(|l| {
+            let (share, rest) = l.split_once('\t')?;
+            Some((share.parse().ok()?, rest))
+        })
+        .collect();
+    rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+    println!(
+        "\nparity margins: the {} of {} comparisons with a reference closest to their bounds ({})",
+        CLOSEST.min(rows.len()),
+        rows.len(),
+        path.display()
+    );
+    for (share, rest) in rows.iter().take(CLOSEST) {
+        let mut cols = rest.splitn(3, '\t');
+        let (diff, bound, what) = (
+            cols.next().unwrap_or(""),
+            cols.next().unwrap_or(""),
+            cols.next().unwrap_or(""),
+        );
+        println!("  {:>6.1}%  {diff} of {bound}  {what}", share * 100.0);
     }
 }
 
@@ -338,6 +382,8 @@ fn demo(root: &Path, rest: &[String]) -> Result<ExitCode> {
     ))
 }
 
+/// The build's target folder: `$CARGO_TARGET_DIR`, else `target` in the
+/// workspace.
 fn target_dir(root: &Path) -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }

@@ -155,8 +155,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// and keys), Command R+'s norms of each head with weights `[heads,
 /// head_dim]`, and Persimmon's fused projection of each head's query,
 /// key and value, each head LayerNormed before half of it turns, and its
-/// squared ReLU; GPT-OSS's attention beside sinks, in a window shorter
-/// than the row every other layer, and its clamped, biased experts.
+/// squared ReLU; OLMoE's experts beside its norms of the whole queries
+/// and keys, FlexOlmo's (three of four a token) in OLMo 2's layers;
+/// GPT-OSS's attention beside sinks, in a window shorter than the row
+/// every other layer, and its clamped, biased experts.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -247,6 +249,14 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "use_qk_norm": true, "pad_token_id": 96, "bos_token_id": 95, "eos_token_id": 94"#,
     ),
     ("persimmon", r#", "num_key_value_heads": 4"#),
+    (
+        "olmoe",
+        r#", "num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 96"#,
+    ),
+    (
+        "flex_olmo",
+        r#", "num_experts": 4, "num_experts_per_tok": 3, "pad_token_id": 96"#,
+    ),
     (
         "gpt_oss",
         r#", "head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "pad_token_id": 96"#,

@@ -79,29 +79,23 @@ pub fn held_for_backward(
         kv_heads: dims(c.kv_heads),
         qk_norm: QkNorm::of(c),
         norms: Norms::of(c.family),
-        sandwich: matches!(
-            c.family,
-            Family::Gemma2
-                | Family::Gemma3
-                | Family::Olmo2
-                | Family::Olmo3
-                | Family::Exaone4
-                | Family::Glm4
-        ),
-        pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Exaone4),
+        // OLMo 2's, 3's and FlexOlmo's (`olmo()`) norms after each
+        // sublayer only.
+        sandwich: c.family.olmo()
+            || matches!(
+                c.family,
+                Family::Gemma2 | Family::Gemma3 | Family::Exaone4 | Family::Glm4
+            ),
+        pre_norms: !(c.family.olmo() || c.family == Family::Exaone4),
         // Persimmon's heads interleave their queries, keys and values:
         // each is a copy.
         views: c.family == Family::Phi3,
         gated: gated(c),
-        fp32_rope: matches!(
-            c.family,
-            Family::Olmo1
-                | Family::Olmo2
-                | Family::Olmo3
-                | Family::Ernie4_5
-                | Family::Cohere
-                | Family::Cohere2
-        ),
+        fp32_rope: c.family.olmo()
+            || matches!(
+                c.family,
+                Family::Olmo1 | Family::Ernie4_5 | Family::Cohere | Family::Cohere2
+            ),
         clipped: c.clip_qkv.is_some(),
         parallel: c.parallel,
         eager: (c.attn_softcap.is_some() || c.family == Family::GptOss).then_some(Eager {
@@ -199,7 +193,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen3-MoE and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen3-MoE, OLMoE, FlexOlmo and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -281,6 +275,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Qwen3Moe
         | Family::Olmo2
         | Family::Olmo3
+        | Family::Olmoe
+        | Family::FlexOlmo
         | Family::Exaone4
         | Family::HunyuanDense => c.qk_norm,
         // Command R+'s and StableLM 2 12B's norms of each head,
@@ -305,7 +301,8 @@ fn adapters_alone(l: &LoraConfig) -> bool {
         && !l.targets_by_name("model.embed_tokens")
 }
 
-/// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, GPT-OSS's):
+/// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
+/// FlexOlmo's, GPT-OSS's):
 /// each token's top `k` of `count` experts by the router's softmax
 /// (renormalised when `normalize`), each expert a gated MLP `width`
 /// wide run on the tokens that chose it.
@@ -322,7 +319,7 @@ impl Experts {
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let plain = matches!(
             c.family,
-            Family::Mixtral | Family::Qwen3Moe | Family::GptOss
+            Family::Mixtral | Family::Qwen3Moe | Family::GptOss | Family::Olmoe | Family::FlexOlmo
         ) && m.shared.is_none()
             && m.grouped.is_none()
             && m.sparse_mixer.is_none()
@@ -511,6 +508,7 @@ impl Norms {
             // fp32 and a reciprocal, the normalized values in fp32.
             Family::Olmo2
             | Family::Olmo3
+            | Family::FlexOlmo
             | Family::Helium
             | Family::Cohere
             | Family::Cohere2

@@ -155,7 +155,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// and keys), Command R+'s norms of each head with weights `[heads,
 /// head_dim]`, and Persimmon's fused projection of each head's query,
 /// key and value, each head LayerNormed before half of it turns, and its
-/// squared ReLU; OLMoE's experts beside its norms of the whole queries
+/// squared ReLU; Qwen2-MoE's experts beside a gated shared expert, and
+/// a dense layer; OLMoE's experts beside its norms of the whole queries
 /// and keys, FlexOlmo's (three of four a token) in OLMo 2's layers;
 /// GPT-OSS's attention beside sinks, in a window shorter than the row
 /// every other layer, and its clamped, biased experts.
@@ -249,6 +250,10 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "use_qk_norm": true, "pad_token_id": 96, "bos_token_id": 95, "eos_token_id": 94"#,
     ),
     ("persimmon", r#", "num_key_value_heads": 4"#),
+    (
+        "qwen2_moe",
+        r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "mlp_only_layers": [1]"#,
+    ),
     (
         "olmoe",
         r#", "num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 96"#,
@@ -359,6 +364,10 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["up_proj"], "v_proj"),
         (&["down_proj"], "o_proj"),
     ]);
+    // Qwen2-MoE's shared expert's gate alone, not counted either.
+    let qwen2_moe_cases: Vec<_> = (cases.iter().cloned())
+        .chain([lora(&["shared_expert_gate"])])
+        .collect();
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -371,6 +380,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "arcee" | "nemotron" => &arcee_cases[..],
             "persimmon" => &persimmon_cases[..],
             "gpt_oss" => &gpt_oss_cases[..],
+            "qwen2_moe" => &qwen2_moe_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
             _ => &cases[..],
@@ -391,6 +401,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                     // counted, and said so.
                     let on_experts = (trained.iter()).any(|(n, _)| {
                         n.contains(".experts.")
+                            || n.contains(".shared_expert")
                             || n.contains("_moe.gate.")
                             || n.contains("mlp.gate.lora")
                     });
@@ -511,13 +522,14 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         assert_eq!(est(&other), None, "{other:?}");
         assert_eq!(adapter_params(&llama, &other), None, "{other:?}");
     }
-    // A mixture's router jitter and balancing loss, or a shared expert.
+    // A mixture's router jitter and balancing loss (beside a shared
+    // expert too).
     for (t, extra) in [
         ("mixtral", r#", "router_jitter_noise": 0.1"#),
         ("mixtral", r#", "output_router_logits": true"#),
         (
             "qwen2_moe",
-            r#", "num_experts": 4, "shared_expert_intermediate_size": 64"#,
+            r#", "num_experts": 4, "shared_expert_intermediate_size": 64, "output_router_logits": true"#,
         ),
     ] {
         assert_eq!(

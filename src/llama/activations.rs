@@ -193,7 +193,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen3-MoE, OLMoE, FlexOlmo and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -269,6 +269,7 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Phi3
         | Family::SmolLm3
         | Family::Mixtral
+        | Family::Qwen2Moe
         | Family::GptOss => !c.qk_norm,
         Family::Qwen3
         | Family::Gemma3
@@ -302,7 +303,7 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 }
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
-/// FlexOlmo's, GPT-OSS's):
+/// FlexOlmo's, GPT-OSS's; Qwen2-MoE's beside its gated shared expert):
 /// each token's top `k` of `count` experts by the router's softmax
 /// (renormalised when `normalize`), each expert a gated MLP `width`
 /// wide run on the tokens that chose it.
@@ -311,16 +312,21 @@ struct Experts {
     k: u64,
     width: u64,
     normalize: bool,
+    /// Qwen2-MoE's shared expert: a gated MLP this wide every token goes
+    /// through, its output weighed by a sigmoid of one row.
+    shared: Option<u64>,
 }
 
 impl Experts {
     /// `m`'s experts, where this module counts them: a plain softmax
-    /// router, no shared expert, no jitter, no balancing loss.
+    /// router, no shared expert but Qwen2-MoE's, no jitter, no balancing
+    /// loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
-        let plain = matches!(
+        let routed = matches!(
             c.family,
             Family::Mixtral | Family::Qwen3Moe | Family::GptOss | Family::Olmoe | Family::FlexOlmo
-        ) && m.shared.is_none()
+        ) && m.shared.is_none();
+        let plain = (routed || c.family == Family::Qwen2Moe)
             && m.grouped.is_none()
             && m.sparse_mixer.is_none()
             && m.balance.is_none()
@@ -331,6 +337,7 @@ impl Experts {
             k: dims(m.top_k),
             width: dims(m.intermediate),
             normalize: m.normalize,
+            shared: m.shared.map(dims),
         })
     }
 
@@ -344,6 +351,7 @@ impl Experts {
             k,
             width,
             normalize,
+            shared,
         } = *self;
         // A training router keeps its input; each expert's first two
         // matrices their rows of it, gathered; the down projection its
@@ -363,6 +371,13 @@ impl Experts {
             // clamped one from its biased gate and up, one tensor).
             kept += k * b + k * b * h + 2 * k * b * width;
         }
+        // The shared expert reads the router's input (kept once): its
+        // down projection keeps its input where it trains; its gate and
+        // up, its gate's sigmoid and its output (each kept for the
+        // other's gradient) where the input needs a gradient.
+        if let Some(w) = shared {
+            kept += full as u64 * b * w + live as u64 * (2 * b * w + b + b * h);
+        }
         kept
     }
 }
@@ -373,8 +388,8 @@ fn attended_in(live: bool, full: bool, r: &Ranks) -> bool {
     live || full || r.attention_input() > 0
 }
 
-/// Whether `l` puts an adapter on layer `layer`'s router or experts
-/// (which [`Experts`] does not count).
+/// Whether `l` puts an adapter on layer `layer`'s router or experts,
+/// shared or routed (which [`Experts`] does not count).
 fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) -> bool {
     let (block, names) = match c.family {
         // GPT-OSS's router is no linear layer (it takes no adapter), and
@@ -385,7 +400,11 @@ fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) ->
         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     };
     let at = |module: String| l.targets(&format!("model.layers.{layer}.{block}.{module}"));
+    let shared = m.shared.is_some()
+        && (at("shared_expert_gate".into())
+            || names.iter().any(|n| at(format!("shared_expert.{n}"))));
     at("gate".into())
+        || shared
         || (0..m.experts).any(|e| names.iter().any(|n| at(format!("experts.{e}.{n}"))))
 }
 

@@ -156,7 +156,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// head_dim]`, and Persimmon's fused projection of each head's query,
 /// key and value, each head LayerNormed before half of it turns, and its
 /// squared ReLU; Qwen2-MoE's experts beside a gated shared expert, and
-/// a dense layer; OLMoE's experts beside its norms of the whole queries
+/// a dense layer; Granite-MoE's stacked experts in Granite's layers;
+/// OLMoE's experts beside its norms of the whole queries
 /// and keys, FlexOlmo's (three of four a token) in OLMo 2's layers;
 /// GPT-OSS's attention beside sinks, in a window shorter than the row
 /// every other layer, and its clamped, biased experts.
@@ -253,6 +254,10 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "qwen2_moe",
         r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "mlp_only_layers": [1]"#,
+    ),
+    (
+        "granitemoe",
+        r#", "num_local_experts": 4, "num_experts_per_tok": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.03, "logits_scaling": 8.0"#,
     ),
     (
         "olmoe",
@@ -358,12 +363,17 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     ]);
     // GPT-OSS's MLP is its experts alone, whose matrices take adapters
     // through `target_parameters` (not counted): the MLP's targets moved
-    // to the attention.
+    // to the attention (Granite-MoE's too).
     let gpt_oss_cases = renamed(&[
         (&["gate_proj"], "k_proj"),
         (&["up_proj"], "v_proj"),
         (&["down_proj"], "o_proj"),
     ]);
+    // Granite-MoE's experts are parameters too, its router a linear
+    // layer (`router.layer`), whose adapter is not counted.
+    let granite_moe_cases: Vec<_> = (gpt_oss_cases.iter().cloned())
+        .chain([lora(&["layer"])])
+        .collect();
     // Qwen2-MoE's shared expert's gate alone, not counted either.
     let qwen2_moe_cases: Vec<_> = (cases.iter().cloned())
         .chain([lora(&["shared_expert_gate"])])
@@ -381,6 +391,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "persimmon" => &persimmon_cases[..],
             "gpt_oss" => &gpt_oss_cases[..],
             "qwen2_moe" => &qwen2_moe_cases[..],
+            "granitemoe" => &granite_moe_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
             _ => &cases[..],
@@ -402,6 +413,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                     let on_experts = (trained.iter()).any(|(n, _)| {
                         n.contains(".experts.")
                             || n.contains(".shared_expert")
+                            || n.contains(".router.layer.")
                             || n.contains("_moe.gate.")
                             || n.contains("mlp.gate.lora")
                     });

@@ -193,7 +193,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -270,6 +270,7 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::SmolLm3
         | Family::Mixtral
         | Family::Qwen2Moe
+        | Family::GraniteMoe
         | Family::GptOss => !c.qk_norm,
         Family::Qwen3
         | Family::Gemma3
@@ -303,7 +304,7 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 }
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
-/// FlexOlmo's, GPT-OSS's; Qwen2-MoE's beside its gated shared expert):
+/// FlexOlmo's, Granite-MoE's, GPT-OSS's; Qwen2-MoE's beside its gated shared expert):
 /// each token's top `k` of `count` experts by the router's softmax
 /// (renormalised when `normalize`), each expert a gated MLP `width`
 /// wide run on the tokens that chose it.
@@ -324,7 +325,12 @@ impl Experts {
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
-            Family::Mixtral | Family::Qwen3Moe | Family::GptOss | Family::Olmoe | Family::FlexOlmo
+            Family::Mixtral
+                | Family::Qwen3Moe
+                | Family::GptOss
+                | Family::Olmoe
+                | Family::FlexOlmo
+                | Family::GraniteMoe
         ) && m.shared.is_none();
         let plain = (routed || c.family == Family::Qwen2Moe)
             && m.grouped.is_none()
@@ -396,6 +402,13 @@ fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) ->
         // its experts take them through `target_parameters` alone, which
         // `adapters_alone` refuses.
         Family::GptOss => return false,
+        // Granite-MoE's router is a linear layer (`router.layer`); its
+        // experts take adapters through `target_parameters` alone.
+        Family::GraniteMoe => {
+            return l.targets(&format!(
+                "model.layers.{layer}.block_sparse_moe.router.layer"
+            ))
+        }
         Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     };

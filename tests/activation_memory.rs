@@ -156,7 +156,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// head_dim]`, and Persimmon's fused projection of each head's query,
 /// key and value, each head LayerNormed before half of it turns, and its
 /// squared ReLU; Qwen2-MoE's experts beside a gated shared expert, and
-/// a dense layer; Granite-MoE's stacked experts in Granite's layers;
+/// a dense layer; ERNIE 4.5's chosen with a correction, beside an
+/// ungated shared expert; Granite-MoE's stacked experts in Granite's
+/// layers;
 /// OLMoE's experts beside its norms of the whole queries
 /// and keys, FlexOlmo's (three of four a token) in OLMo 2's layers;
 /// GPT-OSS's attention beside sinks, in a window shorter than the row
@@ -258,6 +260,10 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "granitemoe",
         r#", "num_local_experts": 4, "num_experts_per_tok": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.03, "logits_scaling": 8.0"#,
+    ),
+    (
+        "ernie4_5_moe",
+        r#", "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 48, "moe_num_shared_experts": 1, "pad_token_id": 96"#,
     ),
     (
         "olmoe",

@@ -92,10 +92,8 @@ pub fn held_for_backward(
         views: c.family == Family::Phi3,
         gated: gated(c),
         fp32_rope: c.family.olmo()
-            || matches!(
-                c.family,
-                Family::Olmo1 | Family::Ernie4_5 | Family::Cohere | Family::Cohere2
-            ),
+            || matches!(c.family, Family::Olmo1 | Family::Cohere | Family::Cohere2)
+            || c.family.ernie(),
         clipped: c.clip_qkv.is_some(),
         parallel: c.parallel,
         eager: (c.attn_softcap.is_some() || c.family == Family::GptOss).then_some(Eager {
@@ -193,7 +191,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -271,6 +269,7 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Mixtral
         | Family::Qwen2Moe
         | Family::GraniteMoe
+        | Family::Ernie4_5Moe
         | Family::GptOss => !c.qk_norm,
         Family::Qwen3
         | Family::Gemma3
@@ -304,7 +303,7 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 }
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
-/// FlexOlmo's, Granite-MoE's, GPT-OSS's; Qwen2-MoE's beside its gated shared expert):
+/// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's; Qwen2-MoE's beside its gated shared expert):
 /// each token's top `k` of `count` experts by the router's softmax
 /// (renormalised when `normalize`), each expert a gated MLP `width`
 /// wide run on the tokens that chose it.
@@ -313,15 +312,16 @@ struct Experts {
     k: u64,
     width: u64,
     normalize: bool,
-    /// Qwen2-MoE's shared expert: a gated MLP this wide every token goes
-    /// through, its output weighed by a sigmoid of one row.
-    shared: Option<u64>,
+    /// A shared expert: a gated MLP this wide every token goes through,
+    /// its output weighed by a sigmoid of one row where `true`
+    /// (Qwen2-MoE's; ERNIE 4.5's is added as it is).
+    shared: Option<(u64, bool)>,
 }
 
 impl Experts {
     /// `m`'s experts, where this module counts them: a plain softmax
-    /// router, no shared expert but Qwen2-MoE's, no jitter, no balancing
-    /// loss.
+    /// router (ERNIE 4.5's corrected choice too), no shared expert but
+    /// Qwen2-MoE's and ERNIE 4.5's, no jitter, no balancing loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
@@ -332,7 +332,10 @@ impl Experts {
                 | Family::FlexOlmo
                 | Family::GraniteMoe
         ) && m.shared.is_none();
-        let plain = (routed || c.family == Family::Qwen2Moe)
+        // ERNIE 4.5's router chooses by its scores and a fixed
+        // correction, and keeps what a plain one does: the choices, as
+        // the index its scores are gathered by.
+        let plain = (routed || matches!(c.family, Family::Qwen2Moe | Family::Ernie4_5Moe))
             && m.grouped.is_none()
             && m.sparse_mixer.is_none()
             && m.balance.is_none()
@@ -343,7 +346,7 @@ impl Experts {
             k: dims(m.top_k),
             width: dims(m.intermediate),
             normalize: m.normalize,
-            shared: m.shared.map(dims),
+            shared: m.shared.map(|w| (dims(w), c.family == Family::Qwen2Moe)),
         })
     }
 
@@ -379,10 +382,11 @@ impl Experts {
         }
         // The shared expert reads the router's input (kept once): its
         // down projection keeps its input where it trains; its gate and
-        // up, its gate's sigmoid and its output (each kept for the
-        // other's gradient) where the input needs a gradient.
-        if let Some(w) = shared {
-            kept += full as u64 * b * w + live as u64 * (2 * b * w + b + b * h);
+        // up, and, gated, its gate's sigmoid and its output (each kept
+        // for the other's gradient) where the input needs a gradient.
+        if let Some((w, gated)) = shared {
+            let weighed = gated as u64 * (b + b * h);
+            kept += full as u64 * b * w + live as u64 * (2 * b * w + weighed);
         }
         kept
     }
@@ -413,9 +417,13 @@ fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) ->
         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     };
     let at = |module: String| l.targets(&format!("model.layers.{layer}.{block}.{module}"));
+    let shared_names = match c.family {
+        Family::Qwen2Moe => "shared_expert",
+        _ => "shared_experts",
+    };
     let shared = m.shared.is_some()
         && (at("shared_expert_gate".into())
-            || names.iter().any(|n| at(format!("shared_expert.{n}"))));
+            || names.iter().any(|n| at(format!("{shared_names}.{n}"))));
     at("gate".into())
         || shared
         || (0..m.experts).any(|e| names.iter().any(|n| at(format!("experts.{e}.{n}"))))

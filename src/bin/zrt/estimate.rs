@@ -59,8 +59,8 @@ pub struct EstimateArgs {
     /// forward holds for its backward on each rank (the tensors autograd
     /// saves), for the models whose layers it counts (Llama's, Mistral's,
     /// Ministral's, Qwen2's, Qwen3's, Granite's, Seed-OSS's, Arcee's,
-    /// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's and
-    /// GLM-4's, Hunyuan's, Cohere 1's and 2's, StableLM's, Persimmon's,
+    /// StarCoder2's, Nemotron's, ERNIE 4.5's (with experts too),
+    /// Helium's, GLM's and GLM-4's, Hunyuan's, Cohere 1's and 2's, StableLM's, Persimmon's,
     /// Gemma 1-3's, Phi-3's, SmolLM3's, OLMo 1-3's, EXAONE 4's,
     /// Mixtral's, Qwen2-MoE's, Qwen3-MoE's, OLMoE's, FlexOlmo's,
     /// Granite-MoE's, GPT-OSS's).
@@ -79,8 +79,8 @@ pub struct EstimateArgs {
     /// parameters, the model the frozen ones, and `--seq`'s activations
     /// are LoRA's. Counted on the layers of Llama, Mistral, Ministral,
     /// Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron,
-    /// ERNIE 4.5, Helium, GLM and GLM-4, Hunyuan, Cohere 1 and 2,
-    /// StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE
+    /// ERNIE 4.5 (with experts too), Helium, GLM and GLM-4, Hunyuan,
+    /// Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE
     /// 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE and
     /// GPT-OSS (not on a mixture's router or experts, shared or routed).
     #[arg(long)]

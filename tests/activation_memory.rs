@@ -157,7 +157,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// key and value, each head LayerNormed before half of it turns, and its
 /// squared ReLU; Qwen2-MoE's experts beside a gated shared expert, and
 /// a dense layer; ERNIE 4.5's chosen with a correction, beside an
-/// ungated shared expert; Granite-MoE's stacked experts in Granite's
+/// ungated shared expert, and Hunyuan's beside its heads normalised
+/// after they turn; Granite-MoE's stacked experts in Granite's
 /// layers;
 /// OLMoE's experts beside its norms of the whole queries
 /// and keys, FlexOlmo's (three of four a token) in OLMo 2's layers;
@@ -264,6 +265,10 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "ernie4_5_moe",
         r#", "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 48, "moe_num_shared_experts": 1, "pad_token_id": 96"#,
+    ),
+    (
+        "hunyuan_v1_moe",
+        r#", "head_dim": 24, "num_experts": 4, "moe_topk": 2, "pad_token_id": 96"#,
     ),
     (
         "olmoe",
@@ -384,6 +389,8 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     let qwen2_moe_cases: Vec<_> = (cases.iter().cloned())
         .chain([lora(&["shared_expert_gate"])])
         .collect();
+    // Hunyuan's router (`gate.wg`) alone.
+    let hunyuan_moe_cases: Vec<_> = (cases.iter().cloned()).chain([lora(&["wg"])]).collect();
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -398,6 +405,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "gpt_oss" => &gpt_oss_cases[..],
             "qwen2_moe" => &qwen2_moe_cases[..],
             "granitemoe" => &granite_moe_cases[..],
+            "hunyuan_v1_moe" => &hunyuan_moe_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
             _ => &cases[..],
@@ -420,6 +428,8 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                         n.contains(".experts.")
                             || n.contains(".shared_expert")
                             || n.contains(".router.layer.")
+                            || n.contains(".gate.wg.")
+                            || n.contains(".shared_mlp.")
                             || n.contains("_moe.gate.")
                             || n.contains("mlp.gate.lora")
                     });

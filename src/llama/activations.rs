@@ -191,7 +191,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -279,7 +279,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Olmoe
         | Family::FlexOlmo
         | Family::Exaone4
-        | Family::HunyuanDense => c.qk_norm,
+        | Family::HunyuanDense
+        | Family::HunyuanMoe => c.qk_norm,
         // Command R+'s and StableLM 2 12B's norms of each head,
         // Persimmon's LayerNorms of each head.
         Family::Cohere | Family::StableLm | Family::Persimmon => true,
@@ -303,7 +304,7 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 }
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
-/// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's; Qwen2-MoE's beside its gated shared expert):
+/// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's; Qwen2-MoE's beside its gated shared expert):
 /// each token's top `k` of `count` experts by the router's softmax
 /// (renormalised when `normalize`), each expert a gated MLP `width`
 /// wide run on the tokens that chose it.
@@ -314,14 +315,15 @@ struct Experts {
     normalize: bool,
     /// A shared expert: a gated MLP this wide every token goes through,
     /// its output weighed by a sigmoid of one row where `true`
-    /// (Qwen2-MoE's; ERNIE 4.5's is added as it is).
+    /// (Qwen2-MoE's; ERNIE 4.5's and Hunyuan's are added as they are).
     shared: Option<(u64, bool)>,
 }
 
 impl Experts {
     /// `m`'s experts, where this module counts them: a plain softmax
     /// router (ERNIE 4.5's corrected choice too), no shared expert but
-    /// Qwen2-MoE's and ERNIE 4.5's, no jitter, no balancing loss.
+    /// Qwen2-MoE's, ERNIE 4.5's and Hunyuan's, no jitter, no balancing
+    /// loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
@@ -335,7 +337,11 @@ impl Experts {
         // ERNIE 4.5's router chooses by its scores and a fixed
         // correction, and keeps what a plain one does: the choices, as
         // the index its scores are gathered by.
-        let plain = (routed || matches!(c.family, Family::Qwen2Moe | Family::Ernie4_5Moe))
+        let plain = (routed
+            || matches!(
+                c.family,
+                Family::Qwen2Moe | Family::Ernie4_5Moe | Family::HunyuanMoe
+            ))
             && m.grouped.is_none()
             && m.sparse_mixer.is_none()
             && m.balance.is_none()
@@ -419,8 +425,13 @@ fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) ->
     let at = |module: String| l.targets(&format!("model.layers.{layer}.{block}.{module}"));
     let shared_names = match c.family {
         Family::Qwen2Moe => "shared_expert",
+        Family::HunyuanMoe => "shared_mlp",
         _ => "shared_experts",
     };
+    // Hunyuan's router is `gate.wg`.
+    if c.family == Family::HunyuanMoe && at("gate.wg".into()) {
+        return true;
+    }
     let shared = m.shared.is_some()
         && (at("shared_expert_gate".into())
             || names.iter().any(|n| at(format!("{shared_names}.{n}"))));

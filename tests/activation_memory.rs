@@ -158,7 +158,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// squared ReLU; Qwen2-MoE's experts beside a gated shared expert, and
 /// a dense layer; ERNIE 4.5's chosen with a correction, beside an
 /// ungated shared expert, and Hunyuan's beside its heads normalised
-/// after they turn; Granite-MoE's stacked experts in Granite's
+/// after they turn; GLM-4-MoE's chosen within groups beside shared
+/// experts, with and without norms of each head, and dots.llm1's;
+/// Granite-MoE's stacked experts in Granite's
 /// layers;
 /// OLMoE's experts beside its norms of the whole queries
 /// and keys, FlexOlmo's (three of four a token) in OLMo 2's layers;
@@ -269,6 +271,18 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "hunyuan_v1_moe",
         r#", "head_dim": 24, "num_experts": 4, "moe_topk": 2, "pad_token_id": 96"#,
+    ),
+    (
+        "glm4_moe",
+        r#", "head_dim": 24, "partial_rotary_factor": 0.5, "attention_bias": true, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "moe_intermediate_size": 48, "first_k_dense_replace": 1, "norm_topk_prob": true, "routed_scaling_factor": 2.5, "pad_token_id": 96"#,
+    ),
+    (
+        "glm4_moe",
+        r#", "use_qk_norm": true, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "moe_intermediate_size": 48, "first_k_dense_replace": 0, "norm_topk_prob": false, "pad_token_id": 96"#,
+    ),
+    (
+        "dots1",
+        r#", "head_dim": 24, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "moe_intermediate_size": 48, "first_k_dense_replace": 1, "norm_topk_prob": true, "pad_token_id": 96"#,
     ),
     (
         "olmoe",

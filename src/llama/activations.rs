@@ -191,7 +191,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE, GLM-4-MoE, dots.llm1 and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -280,7 +280,10 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::FlexOlmo
         | Family::Exaone4
         | Family::HunyuanDense
-        | Family::HunyuanMoe => c.qk_norm,
+        | Family::HunyuanMoe
+        | Family::Dots1 => c.qk_norm,
+        // GLM-4-MoE's norms of each head's queries and keys, or none.
+        Family::Glm4Moe => true,
         // Command R+'s and StableLM 2 12B's norms of each head,
         // Persimmon's LayerNorms of each head.
         Family::Cohere | Family::StableLm | Family::Persimmon => true,
@@ -304,7 +307,8 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 }
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
-/// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's; Qwen2-MoE's beside its gated shared expert):
+/// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
+/// GLM-4-MoE's and dots.llm1's; Qwen2-MoE's beside its gated shared expert):
 /// each token's top `k` of `count` experts by the router's softmax
 /// (renormalised when `normalize`), each expert a gated MLP `width`
 /// wide run on the tokens that chose it.
@@ -317,13 +321,19 @@ struct Experts {
     /// its output weighed by a sigmoid of one row where `true`
     /// (Qwen2-MoE's; ERNIE 4.5's and Hunyuan's are added as they are).
     shared: Option<(u64, bool)>,
+    /// DeepSeek-V3's routing (GLM-4-MoE's, dots.llm1's): its logits in
+    /// fp32 from the input and the router's weight cast to fp32, each
+    /// expert scored by a sigmoid (or a softmax), the choice within the
+    /// best groups, the weights in fp32.
+    grouped: bool,
 }
 
 impl Experts {
     /// `m`'s experts, where this module counts them: a plain softmax
-    /// router (ERNIE 4.5's corrected choice too), no shared expert but
-    /// Qwen2-MoE's, ERNIE 4.5's and Hunyuan's, no jitter, no balancing
-    /// loss.
+    /// router (ERNIE 4.5's corrected choice too) or GLM-4-MoE's and
+    /// dots.llm1's grouped one, no shared expert but Qwen2-MoE's, ERNIE
+    /// 4.5's, Hunyuan's, GLM-4-MoE's and dots.llm1's, no jitter, no
+    /// balancing loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
@@ -342,41 +352,59 @@ impl Experts {
                 c.family,
                 Family::Qwen2Moe | Family::Ernie4_5Moe | Family::HunyuanMoe
             ))
-            && m.grouped.is_none()
+            && m.grouped.is_none();
+        let grouped = matches!(c.family, Family::Glm4Moe | Family::Dots1) && m.grouped.is_some();
+        let counted = (plain || grouped)
             && m.sparse_mixer.is_none()
             && m.balance.is_none()
             && m.jitter == 0.0
             && m.zero == 0;
-        plain.then(|| Self {
+        counted.then(|| Self {
             count: dims(m.experts),
             k: dims(m.top_k),
             width: dims(m.intermediate),
             normalize: m.normalize,
             shared: m.shared.map(|w| (dims(w), c.family == Family::Qwen2Moe)),
+            grouped,
         })
     }
 
-    /// What the mixture keeps a token in a model `h` wide computing in
-    /// `b` bytes; `live`: whether its input needs a gradient, `full`:
-    /// whether its weights train. The experts' share is the same
-    /// whichever experts the tokens choose: `k` rows a token in all.
-    fn layer(&self, b: u64, h: u64, live: bool, full: bool) -> u64 {
+    /// What the mixture keeps a token, and once a forward, in a model
+    /// `h` wide computing in `b` bytes; `live`: whether its input needs a
+    /// gradient, `full`: whether its weights train. The experts' share is
+    /// the same whichever experts the tokens choose: `k` rows a token in
+    /// all.
+    fn layer(&self, b: u64, h: u64, live: bool, full: bool) -> (u64, u64) {
         let Self {
             count,
             k,
             width,
             normalize,
             shared,
+            grouped,
         } = *self;
+        // The grouped router computes in fp32: its input, and its
+        // weights per row.
+        let (input, weight) = match grouped {
+            true => (4, 4),
+            false => (b, b),
+        };
         // A training router keeps its input; each expert's first two
         // matrices their rows of it, gathered; the down projection its
         // input.
-        let mut kept = full as u64 * (b * h + k * b * h + k * b * width);
+        let mut kept = full as u64 * (input * h + k * b * h + k * b * width);
+        let mut per_forward = 0;
         if live {
-            // The softmax's fp32 probabilities; the top k's int64
-            // choices; with renormalisation its fp32 weights and their
-            // sum (and that sum held above 1e-12).
-            kept += 4 * count + 8 * k + normalize as u64 * (4 * k + 8);
+            // The scores' fp32 softmax (or sigmoid); the top k's int64
+            // choices (or the index the grouped scores are gathered
+            // by); with renormalisation the fp32 weights and their sum
+            // (and that sum held above 1e-12; the grouped one's plus
+            // 1e-20, which keeps nothing).
+            let renormalised = match grouped {
+                true => 4 * k + 4,
+                false => 4 * k + 8,
+            };
+            kept += 4 * count + 8 * k + normalize as u64 * renormalised;
             // Each expert's tokens and slots (int64 pairs), by which its
             // rows are gathered, weighed and added back.
             kept += 16 * k;
@@ -384,17 +412,23 @@ impl Experts {
             // for the other's gradient; the gate and up, from which
             // backward computes the activation again (`glu`: GPT-OSS's
             // clamped one from its biased gate and up, one tensor).
-            kept += k * b + k * b * h + 2 * k * b * width;
+            kept += k * weight + k * b * h + 2 * k * b * width;
+            // The grouped router's weight cast to fp32, each forward.
+            if grouped && b != 4 {
+                per_forward += 4 * count * h;
+            }
         }
-        // The shared expert reads the router's input (kept once): its
-        // down projection keeps its input where it trains; its gate and
-        // up, and, gated, its gate's sigmoid and its output (each kept
-        // for the other's gradient) where the input needs a gradient.
+        // The shared expert reads the router's input (kept once; the
+        // grouped router's is an fp32 copy but in fp32): its down
+        // projection keeps its input where it trains; its gate and up,
+        // and, gated, its gate's sigmoid and its output (each kept for
+        // the other's gradient) where the input needs a gradient.
         if let Some((w, gated)) = shared {
+            let read = (grouped && b != 4) as u64 * b * h;
             let weighed = gated as u64 * (b + b * h);
-            kept += full as u64 * b * w + live as u64 * (2 * b * w + weighed);
+            kept += full as u64 * (b * w + read) + live as u64 * (2 * b * w + weighed);
         }
-        kept
+        (kept, per_forward)
     }
 }
 
@@ -855,7 +889,9 @@ impl Widths {
         };
         let down_live = match experts {
             Some(m) => {
-                per_token += m.layer(b, h, normed, full);
+                let (token, forward) = m.layer(b, h, normed, full);
+                per_token += token;
+                per_forward += forward;
                 normed
             }
             None => {

@@ -308,10 +308,10 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
 /// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
-/// GLM-4-MoE's and dots.llm1's; Qwen2-MoE's beside its gated shared expert):
-/// each token's top `k` of `count` experts by the router's softmax
-/// (renormalised when `normalize`), each expert a gated MLP `width`
-/// wide run on the tokens that chose it.
+/// GLM-4-MoE's and dots.llm1's; Qwen2-MoE's beside its gated shared
+/// expert): each token's top `k` of `count` experts by the router's
+/// scores (renormalised when `normalize`), each expert a gated MLP
+/// `width` wide run on the tokens that chose it.
 struct Experts {
     count: u64,
     k: u64,
@@ -418,11 +418,12 @@ impl Experts {
                 per_forward += 4 * count * h;
             }
         }
-        // The shared expert reads the router's input (kept once; the
-        // grouped router's is an fp32 copy but in fp32): its down
-        // projection keeps its input where it trains; its gate and up,
-        // and, gated, its gate's sigmoid and its output (each kept for
-        // the other's gradient) where the input needs a gradient.
+        // The shared expert reads the router's input, kept once (the
+        // grouped router keeps an fp32 copy of it instead, so in 16 bits
+        // the shared expert's own linear layers keep the input too): its
+        // down projection keeps its input where it trains; its gate and
+        // up, and, gated, its gate's sigmoid and its output (each kept
+        // for the other's gradient) where the input needs a gradient.
         if let Some((w, gated)) = shared {
             let read = (grouped && b != 4) as u64 * b * h;
             let weighed = gated as u64 * (b + b * h);
@@ -518,7 +519,7 @@ impl Ranks {
         // StarCoder2's MLP under GPT-2's names, Persimmon's layer under
         // GPT-NeoX's.
         let (qkv, o, up, down) = match c.family {
-            Family::Starcoder2 => ("", "o_proj", "mlp.c_fc", "mlp.c_proj"),
+            Family::Starcoder2 => ("qkv_proj", "o_proj", "mlp.c_fc", "mlp.c_proj"),
             Family::Persimmon => (
                 "query_key_value",
                 "dense",

@@ -634,6 +634,11 @@ fn run_reference_opt(
 
 fn compare(what: &str, engine: (Vec<f64>, Params), reference: (Vec<f64>, Params)) {
     for (s, (a, b)) in engine.0.iter().zip(&reference.0).enumerate() {
+        common::margin(
+            &format!("{what}: loss of step {s}"),
+            (a - b).abs(),
+            1e-5 * b.abs(),
+        );
         assert!(
             (a - b).abs() <= 1e-5 * b.abs(),
             "{what}: loss of step {s}: engine {a} reference {b}"
@@ -645,15 +650,19 @@ fn compare(what: &str, engine: (Vec<f64>, Params), reference: (Vec<f64>, Params)
     for ((na, a), (nb, b)) in e.iter().zip(&reference.1) {
         assert_eq!(na, nb, "{what}");
         assert_eq!(a.len(), b.len(), "{what}: {na}");
+        // The element closest to its bound, recorded once a parameter.
+        let mut closest = (0.0, 0.0, 1e-6);
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
             let (x, y) = (*x as f64, *y as f64);
             // 1e-5 relative; parameters that cancel to near zero are held
             // to 1e-5 of the parameters' scale (0.1) instead.
-            assert!(
-                (x - y).abs() <= 1e-5 * y.abs().max(0.1),
-                "{what}: {na}[{i}] engine {x} reference {y}"
-            );
+            let (diff, bound) = ((x - y).abs(), 1e-5 * y.abs().max(0.1));
+            if diff / bound > closest.0 {
+                closest = (diff / bound, diff, bound);
+            }
+            assert!(diff <= bound, "{what}: {na}[{i}] engine {x} reference {y}");
         }
+        common::margin(&format!("{what}: {na}"), closest.1, closest.2);
     }
 }
 

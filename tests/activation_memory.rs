@@ -160,12 +160,11 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// ungated shared expert, and Hunyuan's beside its heads normalised
 /// after they turn; GLM-4-MoE's chosen within groups beside shared
 /// experts, with and without norms of each head, and dots.llm1's;
-/// Granite-MoE's stacked experts in Granite's
-/// layers;
-/// OLMoE's experts beside its norms of the whole queries
-/// and keys, FlexOlmo's (three of four a token) in OLMo 2's layers;
-/// GPT-OSS's attention beside sinks, in a window shorter than the row
-/// every other layer, and its clamped, biased experts.
+/// Granite-MoE's stacked experts in Granite's layers; OLMoE's experts
+/// beside its norms of the whole queries and keys, FlexOlmo's (three of
+/// four a token) in OLMo 2's layers; GPT-OSS's attention beside sinks, in
+/// a window shorter than the row every other layer, and its clamped,
+/// biased experts.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -527,7 +526,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
     // Other families' layers save other tensors.
-    for t in ["apertus", "falcon"] {
+    for t in ["apertus", "falcon", "deepseek_v3", "llama4_text"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

@@ -442,37 +442,60 @@ fn attended_in(live: bool, full: bool, r: &Ranks) -> bool {
 /// Whether `l` puts an adapter on layer `layer`'s router or experts,
 /// shared or routed (which [`Experts`] does not count).
 fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) -> bool {
-    let (block, names) = match c.family {
-        // GPT-OSS's router is no linear layer (it takes no adapter), and
-        // its experts take them through `target_parameters` alone, which
-        // `adapters_alone` refuses.
-        Family::GptOss => return false,
-        // Granite-MoE's router is a linear layer (`router.layer`); its
-        // experts take adapters through `target_parameters` alone.
-        Family::GraniteMoe => {
-            return l.targets(&format!(
-                "model.layers.{layer}.block_sparse_moe.router.layer"
-            ))
-        }
-        Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-    };
+    let MoeModules {
+        block,
+        routers,
+        experts,
+        shared,
+    } = MoeModules::of(c.family);
     let at = |module: String| l.targets(&format!("model.layers.{layer}.{block}.{module}"));
-    let shared_names = match c.family {
-        Family::Qwen2Moe => "shared_expert",
-        Family::HunyuanMoe => "shared_mlp",
-        _ => "shared_experts",
-    };
-    // Hunyuan's router is `gate.wg`.
-    if c.family == Family::HunyuanMoe && at("gate.wg".into()) {
-        return true;
-    }
     let shared = m.shared.is_some()
-        && (at("shared_expert_gate".into())
-            || names.iter().any(|n| at(format!("{shared_names}.{n}"))));
-    at("gate".into())
+        && (at("shared_expert_gate".into()) || experts.iter().any(|n| at(format!("{shared}.{n}"))));
+    routers.iter().any(|r| at(r.to_string()))
         || shared
-        || (0..m.experts).any(|e| names.iter().any(|n| at(format!("experts.{e}.{n}"))))
+        || (0..m.experts).any(|e| experts.iter().any(|n| at(format!("experts.{e}.{n}"))))
+}
+
+/// Where a family's mixture keeps the linear layers an adapter could
+/// sit on, under `model.layers.N.{block}`.
+struct MoeModules {
+    block: &'static str,
+    /// The router's linear layers.
+    routers: &'static [&'static str],
+    /// Each expert's matrices (`experts.E.{name}`), and the shared
+    /// expert's (`{shared}.{name}`); none where the experts are stacked
+    /// parameters, which take adapters through `target_parameters`
+    /// alone (refused by `adapters_alone`).
+    experts: &'static [&'static str],
+    shared: &'static str,
+}
+
+impl MoeModules {
+    /// Those of `family`.
+    fn of(family: Family) -> Self {
+        const GATED: &[&str] = &["gate_proj", "up_proj", "down_proj"];
+        let (block, routers, experts, shared) = match family {
+            // GPT-OSS's router is no linear layer (it takes no adapter).
+            Family::GptOss => ("mlp", &[][..], &[][..], ""),
+            Family::GraniteMoe => ("block_sparse_moe", &["router.layer"][..], &[][..], ""),
+            Family::Mixtral => (
+                "block_sparse_moe",
+                &["gate"][..],
+                &["w1", "w3", "w2"][..],
+                "",
+            ),
+            Family::Qwen2Moe => ("mlp", &["gate"][..], GATED, "shared_expert"),
+            // Hunyuan's router is `gate.wg`.
+            Family::HunyuanMoe => ("mlp", &["gate", "gate.wg"][..], GATED, "shared_mlp"),
+            _ => ("mlp", &["gate"][..], GATED, "shared_experts"),
+        };
+        Self {
+            block,
+            routers,
+            experts,
+            shared,
+        }
+    }
 }
 
 /// The ranks of a layer's adapters, 0 where it has none (Phi-3's on its

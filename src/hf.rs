@@ -452,7 +452,11 @@ impl HfModel {
                 exclude_modules.extend(crate::llama::bare::check(c, lora)?);
             }
             crate::lora::refuse_convolutions(vs, lora, prefix)?;
-            crate::lora::freeze_base_under(vs, lora, prefix, tied)?;
+            let bare = |m: &str| match &layout {
+                Layout::Llama(c) => crate::llama::bare::is_bare(c.family, m),
+                _ => false,
+            };
+            crate::lora::freeze_base_under(vs, lora, (prefix, tied), &bare)?;
             if let Layout::Llama(c) = &layout {
                 // PEFT's DoRA reads an `AutoBitLinear`'s weights
                 // unrounded; whether its sum then matches is untested.

@@ -5769,6 +5769,8 @@ for chunk in (64, 4):
 /// refuses naming them (`llama::bare`). (When this test was
 /// written it found two others, mended since: zrt adapted GPT-OSS's
 /// router, which is no linear layer, and no Zamba's shared blocks.)
+/// Naming a router that is no linear layer (GPT-OSS's, the grouped
+/// ones) is refused, as PEFT refuses it.
 #[test]
 fn all_linear_adapts_the_modules_peft_adapts_in_every_family() {
     all_linear_against_peft(false);
@@ -6036,31 +6038,51 @@ for k in want:
     script += "print(bad)\n";
     let said = common::python(&script);
     assert_eq!(said.lines().last(), Some("[]"), "{said}");
-    // Naming GPT-OSS's router is refused, as PEFT refuses it.
-    let vs = VarStore::new(tch::Device::Cpu);
-    let options = HfOptions {
-        lora: Some(zrt::lora::LoraConfig::new(2, 4.0, &["router"])),
-        ..Default::default()
+    // Naming a bare layer is refused, as PEFT refuses it (or fails on
+    // it), naming the first layer that has one.
+    let refused = |case: &str, targets: &[&str]| {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let options = HfOptions {
+            lora: Some(zrt::lora::LoraConfig::new(2, 4.0, targets)),
+            ..Default::default()
+        };
+        let hf = dir.join(case).join("hf");
+        let err = HfModel::from_pretrained_with(&vs, &ShardPlan::new(), &hf, &options).err();
+        err.map(|e| e.to_string()).unwrap_or_default()
     };
-    let hf = dir.join("gpt-oss").join("hf");
-    let err = HfModel::from_pretrained_with(&vs, &ShardPlan::new(), &hf, &options).err();
-    let err = err.map(|e| e.to_string()).unwrap_or_default();
+    let err = refused("gpt-oss", &["router"]);
     assert!(
         err.contains("`model.layers.0.mlp.router`: GPT-OSS's router is no linear layer"),
         "{err}"
     );
-    let vs = VarStore::new(tch::Device::Cpu);
-    let options = HfOptions {
-        lora: Some(zrt::lora::LoraConfig::new(2, 4.0, &["classifier"])),
-        ..Default::default()
-    };
-    let hf = dir.join("longcat-flash").join("hf");
-    let err = HfModel::from_pretrained_with(&vs, &ShardPlan::new(), &hf, &options).err();
-    let err = err.map(|e| e.to_string()).unwrap_or_default();
+    let err = refused("longcat-flash", &["classifier"]);
     assert!(
         err.contains("`model.layers.0.mlp.router.classifier`: LongCat-Flash's router reads"),
         "{err}"
     );
+    // A grouped router's weight is no linear layer: PEFT refuses it
+    // ("Target module DeepseekV3TopkRouter() is not supported") even
+    // beside targets that match; its first layer is dense.
+    let err = refused("deepseek-v3", &["gate", "q_b_proj"]);
+    assert!(
+        err.contains("`model.layers.1.mlp.gate`: this family's router holds its weight"),
+        "{err}"
+    );
+    for case in ["deepseek-v2", "glm4-moe", "dots1"] {
+        let err = refused(case, &["gate"]);
+        assert!(
+            err.contains(".mlp.gate`: this family's router"),
+            "{case}: {err}"
+        );
+    }
+    // Targets that match nothing: the error offers the layers that take
+    // an adapter, not the bare router.
+    let err = refused("gpt-oss", &["nothing"]);
+    assert!(
+        err.contains("match none of the model's linear layers"),
+        "{err}"
+    );
+    assert!(err.contains("q_proj") && !err.contains("router"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

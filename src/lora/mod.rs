@@ -719,7 +719,7 @@ fn adapted_module(name: &str) -> &str {
 /// `target_modules`, matched no linear layer), a saved module that
 /// matches nothing or holds an adapter.
 pub fn freeze_base(vs: &nn::VarStore, cfg: &LoraConfig) -> Result<usize, HfError> {
-    freeze_base_under(vs, cfg, "", None)
+    freeze_base_under(vs, cfg, ("", None), &|_| false)
 }
 
 /// A model whose head is its token embedding: the two modules' names
@@ -734,13 +734,15 @@ pub(crate) struct TiedHead<'a> {
 
 /// As [`freeze_base`], for a model whose VarStore names lack the
 /// checkpoint's `prefix` (GPT-2's `transformer.`: `modules_to_save`
-/// matches the checkpoint's names) and whose head may be `tied` to its
-/// embedding, which trains as one tensor or not at all.
+/// matches the checkpoint's names), whose head may be `tied` to its
+/// embedding, which trains as one tensor or not at all, and whose
+/// matrices `bare` names (by their modules' full names) take no adapter:
+/// the error for targets that match nothing does not offer them.
 pub(crate) fn freeze_base_under(
     vs: &nn::VarStore,
     cfg: &LoraConfig,
-    prefix: &str,
-    tied: Option<TiedHead>,
+    (prefix, tied): (&str, Option<TiedHead>),
+    bare: &dyn Fn(&str) -> bool,
 ) -> Result<usize, HfError> {
     let refuse = |msg: String| Err(HfError::Lora(format!("modules_to_save: {msg}")));
     let refuse_targets = |msg: String| Err(HfError::Lora(format!("target_modules: {msg}")));
@@ -772,7 +774,7 @@ pub(crate) fn freeze_base_under(
         // A layer's: under a numbered path (`layers.0`, `h.0`).
         let in_layer = name.split('.').any(|c| c.parse::<usize>().is_ok());
         match in_layer {
-            true if t.dim() == 2 && name.ends_with(".weight") => {
+            true if t.dim() == 2 && name.ends_with(".weight") && !bare(module) => {
                 linear.insert(module.rsplit('.').next().unwrap_or(module).to_string());
             }
             true => {}
@@ -1592,7 +1594,7 @@ mod tests {
                 embedding: "model.embed_tokens",
                 head: "lm_head",
             };
-            let got = freeze_base_under(&vs, &cfg, "", Some(tied));
+            let got = freeze_base_under(&vs, &cfg, ("", Some(tied)), &|_| false);
             let mut trainable: Vec<String> = (vs.variables().into_iter())
                 .filter(|(_, t)| t.requires_grad())
                 .map(|(n, _)| n)

@@ -1685,8 +1685,22 @@ impl Layer {
                 c.heads * c.head_dim,
             ]);
         }
-        let out = (self.attention(&q, &k, &v, offset, documents.as_ref()))
-            .transpose(1, 2)
+        // Latent attention's values narrower than its queries and keys
+        // (DeepSeek's 128 against 192): libtorch's fused kernel takes
+        // them padded with zeros to the queries' width (as
+        // `transformers`' FlashAttention-2 path does), where unpadded
+        // they would take the kernel that keeps every score.
+        let narrow_values = (c.mla.as_ref())
+            .map(|m| (m.v, m.nope + m.rope))
+            .filter(|(v, qk)| v < qk);
+        let out = match narrow_values {
+            Some((width, qk)) => {
+                let v = v.constant_pad_nd([0, qk - width]);
+                (self.attention(&q, &k, &v, offset, documents.as_ref())).narrow(-1, 0, width)
+            }
+            None => self.attention(&q, &k, &v, offset, documents.as_ref()),
+        };
+        let out = (out.transpose(1, 2))
             .contiguous()
             .view([b, t, c.heads * c.v_head_dim()]);
         match gate {

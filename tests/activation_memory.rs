@@ -164,7 +164,11 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// beside its norms of the whole queries and keys, FlexOlmo's (three of
 /// four a token) in OLMo 2's layers; GPT-OSS's attention beside sinks, in
 /// a window shorter than the row every other layer, and its clamped,
-/// biased experts.
+/// biased experts; DeepSeek-V3's latent attention, its values narrower
+/// than its queries and keys (padded for the fused kernel) and through
+/// the queries' bottleneck, and as wide with one `q_proj`, beside its
+/// grouped experts, and DeepSeek-V2's, its pairs turned in fp32, its
+/// experts chosen greedily or within groups by a softmax.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -295,6 +299,22 @@ const COUNTED: &[(&str, &str)] = &[
         "gpt_oss",
         r#", "head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "pad_token_id": 96"#,
     ),
+    (
+        "deepseek_v3",
+        r#", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "moe_intermediate_size": 48, "first_k_dense_replace": 1, "norm_topk_prob": true, "pad_token_id": 96"#,
+    ),
+    (
+        "deepseek_v3",
+        r#", "q_lora_rank": null, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 20, "rope_interleave": false, "attention_bias": true, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 2, "moe_intermediate_size": 48, "first_k_dense_replace": 0, "norm_topk_prob": false, "pad_token_id": 96"#,
+    ),
+    (
+        "deepseek_v2",
+        r#", "q_lora_rank": null, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 2, "moe_intermediate_size": 48, "first_k_dense_replace": 1, "topk_method": "greedy", "pad_token_id": 96"#,
+    ),
+    (
+        "deepseek_v2",
+        r#", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 48, "first_k_dense_replace": 0, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5, "pad_token_id": 96"#,
+    ),
 ];
 
 #[test]
@@ -408,6 +428,29 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
     ]);
+    // DeepSeek-V3's latent attention: the queries' bottleneck's second
+    // projection and the latent's expansion in place of the queries' and
+    // values', then each of its projections alone or beside another
+    // reading one tensor, and the dense first layer's MLP (the others'
+    // are experts, not counted); with one `q_proj`, the latent's first
+    // projection in place of the values'.
+    let dense_first = |targets: &[&str]| zrt::lora::LoraConfig {
+        layers_to_transform: vec![0],
+        ..lora(targets)
+    };
+    let latent_cases: Vec<_> = (renamed(&[(&["q_proj"], "q_b_proj"), (&["v_proj"], "kv_b_proj")]))
+        .into_iter()
+        .chain([
+            lora(&["q_a_proj"]),
+            lora(&["kv_a_proj_with_mqa"]),
+            lora(&["q_a_proj", "kv_a_proj_with_mqa"]),
+            dense_first(&["q_a_proj", "gate_proj", "down_proj"]),
+        ])
+        .collect();
+    let one_q_cases: Vec<_> = (renamed(&[(&["v_proj"], "kv_a_proj_with_mqa")]))
+        .into_iter()
+        .chain([lora(&["kv_b_proj"]), dense_first(&["up_proj", "q_proj"])])
+        .collect();
     for &(model_type, extra) in COUNTED {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         let cases = match model_type {
@@ -421,6 +464,10 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "hunyuan_v1_moe" => &hunyuan_moe_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
+            "deepseek_v3" | "deepseek_v2" if extra.contains(r#""q_lora_rank": null"#) => {
+                &one_q_cases[..]
+            }
+            "deepseek_v3" | "deepseek_v2" => &latent_cases[..],
             _ => &cases[..],
         };
         for lora in cases {
@@ -525,12 +572,21 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
 fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
-    // Other families' layers save other tensors.
-    for t in ["apertus", "falcon", "deepseek_v3", "llama4_text"] {
+    // Other families' layers save other tensors; DeepSeek-V3's values
+    // wider than its queries and keys take the attention that keeps
+    // every score.
+    let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
+    for (t, extra) in [
+        ("apertus", ""),
+        ("falcon", ""),
+        ("jamba", ""),
+        ("llama4_text", ""),
+        ("deepseek_v3", wide_values),
+    ] {
         assert_eq!(
-            held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
+            held_for_backward(&c(t, extra), rows_seq, Kind::Float, false, None),
             None,
-            "{t}"
+            "{t}{extra}"
         );
     }
     let llama = c("llama", "");

@@ -1359,6 +1359,40 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         !ok && out.contains("(not on a mixture's router or experts)"),
         "{out}"
     );
+    // DeepSeek-V2-Lite's: latent attention, its values padded to the
+    // queries' and keys' width for the fused kernel (without, the
+    // kernel keeping every score ran, 272 MiB more a layer at 2048
+    // tokens); LoRA on the queries', the latent's expansion and the
+    // output projections: 16 x (2048 + 3072 + 512 + 4096 + 2048 + 2048)
+    // a layer.
+    let lite = hf_config(
+        &dir,
+        "deepseek-v2-lite",
+        r#"{"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": false, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": null, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": true, "tie_word_embeddings": false, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16", "use_cache": true, "v_head_dim": 128, "vocab_size": 102400}"#,
+    );
+    let two_ranks = ["--world", "2", "--seq", "2048", "--dtype", "bf16"];
+    estimate_says(
+        &lite,
+        &two_ranks,
+        &["a forward of 1 x 2048 tokens in bf16 holds 10.21 GiB a rank"],
+    );
+    estimate_says(
+        &lite,
+        &[
+            &two_ranks[..],
+            &[
+                "--lora-r",
+                "16",
+                "--lora-targets",
+                "q_proj,kv_b_proj,o_proj",
+            ],
+        ]
+        .concat(),
+        &[
+            "LoRA r 16 on q_proj,kv_b_proj,o_proj: 5971968 adapter params train",
+            "stage 3 in all: 22.47 GiB a rank",
+        ],
+    );
     // Gemma 2 2B's: its soft-capped scores computed a block of queries
     // at a time and again in backward (one by one they kept 1.63 GiB
     // more), and the capped logits' tanh (0.49 GiB) beside the capped

@@ -7,7 +7,8 @@
 //! and LayerNorms; norms of each head, with weights shared or each
 //! head's own; heads turned by neighbouring pairs; plain mixtures of
 //! experts, GPT-OSS's clamped ones; Gemma 2's soft-capped attention and
-//! GPT-OSS's beside its sinks), the whole model training
+//! GPT-OSS's beside its sinks; DeepSeek's latent attention), the whole
+//! model training
 //! or LoRA's adapters on a frozen base; and those adapters' parameters.
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it to what libtorch
 //! allocates, to the byte.
@@ -22,7 +23,7 @@
 
 use tch::Kind;
 
-use super::config::{LlamaConfig, MoeConfig};
+use super::config::{LlamaConfig, Mla, MoeConfig};
 use super::family::Family;
 use crate::lora::LoraConfig;
 
@@ -92,7 +93,10 @@ pub fn held_for_backward(
         views: c.family == Family::Phi3,
         gated: gated(c),
         fp32_rope: c.family.olmo()
-            || matches!(c.family, Family::Olmo1 | Family::Cohere | Family::Cohere2)
+            || matches!(
+                c.family,
+                Family::Olmo1 | Family::Cohere | Family::Cohere2 | Family::DeepseekV2
+            )
             || c.family.ernie(),
         clipped: c.clip_qkv.is_some(),
         parallel: c.parallel,
@@ -102,6 +106,7 @@ pub fn held_for_backward(
             capped: c.attn_softcap.is_some(),
             sinks: c.family == Family::GptOss,
         }),
+        latent: c.mla.as_ref().map(Latent::of),
     };
     let tokens = rows * seq;
     let full = lora.is_none();
@@ -171,12 +176,30 @@ pub fn held_for_backward(
 pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
     countable(c, Some(lora))?;
     let (h, i) = (dims(c.hidden), dims(c.intermediate));
-    let (q, kv) = (dims(c.heads * c.head_dim), dims(c.kv_heads * c.head_dim));
+    let (mut q, kv) = (dims(c.heads * c.head_dim), dims(c.kv_heads * c.head_dim));
+    // The output projection reads each head's values.
+    let mut o = q;
+    let heads = dims(c.heads);
+    let latent = c.mla.as_ref().map(Latent::of);
+    if let Some(m) = latent {
+        (q, o) = (heads * (m.nope + m.rope), heads * m.v);
+    }
+    // DeepSeek-V3's latent attention: its bottlenecks' projections.
+    let bottlenecks = |r: &Ranks| {
+        latent.map_or(0, |m| {
+            let q_rank = m.q_rank.unwrap_or(0);
+            r.q_a * (h + q_rank)
+                + r.q_b * (q_rank + q)
+                + r.kv_a * (h + m.kv_rank + m.rope)
+                + r.kv_b * (m.kv_rank + heads * (m.nope + m.v))
+        })
+    };
     let per_layer = |r: &Ranks| {
-        r.q * (h + q)
+        bottlenecks(r)
+            + r.q * (h + q)
             + (r.k + r.v) * (h + kv)
             + r.qkv * (h + q + 2 * kv)
-            + r.o * (q + h)
+            + r.o * (o + h)
             + (r.gate + r.up) * (h + i)
             + r.gate_up * (h + 2 * i)
             + r.down * (i + h)
@@ -191,7 +214,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE, GLM-4-MoE, dots.llm1 and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3 and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -244,7 +267,8 @@ fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Expert
 /// Whether `c`'s layer is one this module counts ([`COUNTED_FAMILIES`]):
 /// the families' own, with their queries' and keys' norms where Qwen3's,
 /// Gemma 3's, Qwen3-MoE's, OLMo 2's and 3's, EXAONE 4's and Hunyuan's
-/// have them, and without where the others may.
+/// have them, and without where the others may; DeepSeek's latent
+/// attention.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
         Family::Llama
@@ -284,6 +308,12 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Dots1 => c.qk_norm,
         // GLM-4-MoE's norms of each head's queries and keys, or none.
         Family::Glm4Moe => true,
+        // DeepSeek-V3's latent attention, whose values are no wider than
+        // its queries and keys (wider, they take libtorch's attention
+        // that keeps every score, not counted).
+        Family::DeepseekV3 | Family::DeepseekV2 => {
+            (c.mla.as_ref()).is_some_and(|m| m.v <= m.nope + m.rope)
+        }
         // Command R+'s and StableLM 2 12B's norms of each head,
         // Persimmon's LayerNorms of each head.
         Family::Cohere | Family::StableLm | Family::Persimmon => true,
@@ -308,8 +338,8 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
 /// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
-/// GLM-4-MoE's and dots.llm1's; Qwen2-MoE's beside its gated shared
-/// expert): each token's top `k` of `count` experts by the router's
+/// GLM-4-MoE's, dots.llm1's and DeepSeek-V2's and V3's; Qwen2-MoE's
+/// beside its gated shared expert): each token's top `k` of `count` experts by the router's
 /// scores (renormalised when `normalize`), each expert a gated MLP
 /// `width` wide run on the tokens that chose it.
 struct Experts {
@@ -321,19 +351,19 @@ struct Experts {
     /// its output weighed by a sigmoid of one row where `true`
     /// (Qwen2-MoE's; ERNIE 4.5's and Hunyuan's are added as they are).
     shared: Option<(u64, bool)>,
-    /// DeepSeek-V3's routing (GLM-4-MoE's, dots.llm1's): its logits in
-    /// fp32 from the input and the router's weight cast to fp32, each
-    /// expert scored by a sigmoid (or a softmax), the choice within the
-    /// best groups, the weights in fp32.
+    /// DeepSeek-V3's routing (GLM-4-MoE's, dots.llm1's, DeepSeek-V2's):
+    /// its logits in fp32 from the input and the router's weight cast to
+    /// fp32, each expert scored by a sigmoid (or a softmax), the choice
+    /// within the best groups (or of every expert), the weights in fp32.
     grouped: bool,
 }
 
 impl Experts {
     /// `m`'s experts, where this module counts them: a plain softmax
-    /// router (ERNIE 4.5's corrected choice too) or GLM-4-MoE's and
-    /// dots.llm1's grouped one, no shared expert but Qwen2-MoE's, ERNIE
-    /// 4.5's, Hunyuan's, GLM-4-MoE's and dots.llm1's, no jitter, no
-    /// balancing loss.
+    /// router (ERNIE 4.5's corrected choice too) or the grouped one of
+    /// GLM-4-MoE, dots.llm1 and DeepSeek-V2 and V3, no shared expert but
+    /// Qwen2-MoE's, ERNIE 4.5's, Hunyuan's and the grouped ones', no
+    /// jitter, no balancing loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
@@ -353,7 +383,10 @@ impl Experts {
                 Family::Qwen2Moe | Family::Ernie4_5Moe | Family::HunyuanMoe
             ))
             && m.grouped.is_none();
-        let grouped = matches!(c.family, Family::Glm4Moe | Family::Dots1) && m.grouped.is_some();
+        let grouped = matches!(
+            c.family,
+            Family::Glm4Moe | Family::Dots1 | Family::DeepseekV3 | Family::DeepseekV2
+        ) && m.grouped.is_some();
         let counted = (plain || grouped)
             && m.sparse_mixer.is_none()
             && m.balance.is_none()
@@ -506,6 +539,12 @@ struct Ranks {
     k: u64,
     v: u64,
     qkv: u64,
+    /// DeepSeek-V3's latent attention's: the queries' bottleneck's two
+    /// projections, the latent's and its expansion.
+    q_a: u64,
+    q_b: u64,
+    kv_a: u64,
+    kv_b: u64,
     o: u64,
     gate: u64,
     up: u64,
@@ -516,12 +555,12 @@ struct Ranks {
 impl Ranks {
     /// Whether the layer has an adapter.
     fn any(&self) -> bool {
-        self.attention_input() + self.o + self.mlp_input() + self.down > 0
+        self.attention_input() + self.q_b + self.kv_b + self.o + self.mlp_input() + self.down > 0
     }
 
     /// The ranks of the adapters reading the attention's input.
     fn attention_input(&self) -> u64 {
-        self.q + self.k + self.v + self.qkv
+        self.q + self.k + self.v + self.qkv + self.q_a + self.kv_a
     }
 
     /// The ranks of the adapters reading the MLP's input.
@@ -558,6 +597,15 @@ impl Ranks {
             ..Self::default()
         };
         match fused_qkv {
+            _ if c.mla.is_some() => {
+                (r.q, r.q_a, r.q_b, r.kv_a, r.kv_b) = (
+                    rank("self_attn.q_proj"),
+                    rank("self_attn.q_a_proj"),
+                    rank("self_attn.q_b_proj"),
+                    rank("self_attn.kv_a_proj_with_mqa"),
+                    rank("self_attn.kv_b_proj"),
+                )
+            }
             true => r.qkv = rank(&format!("self_attn.{qkv}")),
             false => {
                 (r.q, r.k, r.v) = (
@@ -696,6 +744,35 @@ struct Widths {
     /// sinks, computed by blocks of queries or whole rather than by the
     /// fused kernel.
     eager: Option<Eager>,
+    /// DeepSeek-V3's latent attention in place of heads projected from
+    /// the input.
+    latent: Option<Latent>,
+}
+
+/// The widths of DeepSeek-V3's latent attention ([`Mla`]).
+#[derive(Clone, Copy)]
+struct Latent {
+    /// The queries' bottleneck, if any (`q_lora_rank`).
+    q_rank: Option<u64>,
+    /// The keys' and values' latent (`kv_lora_rank`).
+    kv_rank: u64,
+    /// Each head's unturned and turned query and key dimensions, and
+    /// its value's.
+    nope: u64,
+    rope: u64,
+    v: u64,
+}
+
+impl Latent {
+    fn of(m: &Mla) -> Self {
+        Self {
+            q_rank: m.q_rank.map(dims),
+            kv_rank: dims(m.kv_rank),
+            nope: dims(m.nope),
+            rope: dims(m.rope),
+            v: dims(m.v),
+        }
+    }
 }
 
 /// Attention computed as `transformers`' eager attention computes it
@@ -814,24 +891,14 @@ impl Widths {
         }
     }
 
-    /// What a layer keeps per token, per position (the rotary
-    /// embedding's cos and sin, shared by the rows) and once, and
-    /// whether its output needs a gradient; `live`: whether its input
-    /// does, `full`: whether its base trains, `r`: its adapters,
-    /// `experts`: its mixture of experts in place of the MLP. An adapter
-    /// keeps its input (shared by the layers reading one tensor) and its
-    /// `A`'s output.
-    fn layer(
-        &self,
-        live: bool,
-        full: bool,
-        r: &Ranks,
-        experts: Option<&Experts>,
-    ) -> (u64, u64, u64, bool) {
+    /// What the queries, keys and values of heads each projected from
+    /// the layer's input keep (and the attention of them), a token, a
+    /// position and once a forward, and whether the attention's output
+    /// needs a gradient; `normed`: whether the input does, `full`:
+    /// whether the base trains, `r`: the layer's adapters.
+    fn heads(&self, normed: bool, full: bool, r: &Ranks) -> (u64, u64, u64, bool) {
         let Self {
             b,
-            h,
-            i,
             q,
             kv,
             d,
@@ -839,31 +906,14 @@ impl Widths {
             heads,
             kv_heads,
             qk_norm,
-            norms: _,
-            sandwich,
-            pre_norms,
-            views: _,
-            gated,
             fp32_rope,
             clipped,
-            parallel,
-            eager: _,
+            ..
         } = *self;
+        let (mut per_token, mut per_forward) = (0, 0);
         // What reads one fused output needs a gradient where any part of
         // it does.
-        let (qkv, gate_up) = (r.qkv > 0, r.gate_up > 0);
-        let (mut per_token, mut per_forward) = (0, 0);
-        if pre_norms {
-            per_token += self.norm(live, full);
-            per_forward += self.norm_weights(live);
-        }
-        let normed = live || (pre_norms && full);
-        // Queries, keys and values read one tensor (and, side by side,
-        // the MLP's gate and up).
-        if full || r.attention_input() > 0 || (parallel && r.mlp_input() > 0) {
-            per_token += b * h;
-        }
-        per_token += b * r.attention_input();
+        let qkv = r.qkv > 0;
         let (q_live, k_live, v_live) = (
             normed || full || qkv || r.q > 0,
             normed || full || qkv || r.k > 0,
@@ -893,6 +943,108 @@ impl Widths {
         let per_position = 2 * turned * rd * (q_live as u64 + k_live as u64);
         let attended = q_live || k_live || v_live;
         let (token, forward) = self.attention((q_live, k_live, v_live), full || r.o > 0);
+        per_token += token;
+        per_forward += forward;
+        (per_token, per_position, per_forward, attended)
+    }
+
+    /// [`Widths::heads`] for DeepSeek's latent attention `m`: the
+    /// queries projected whole or through a normed bottleneck, the keys
+    /// and values expanded from a normed latent beside one turned key
+    /// every head shares, the fused kernel over queries and keys as wide
+    /// as the unturned and turned parts together and values of their
+    /// own width.
+    fn latent(&self, m: &Latent, normed: bool, full: bool, r: &Ranks) -> (u64, u64, u64, bool) {
+        let Self { b, heads, .. } = *self;
+        let mut per_token = 0;
+        // A normed bottleneck `rank` wide: its norm (an RMSNorm, which
+        // keeps nothing once a forward), and the second projection
+        // reading the norm's output where its weight trains or an adapter
+        // reads it. Whether the bottleneck's output needs a gradient,
+        // given whether the first projection's does.
+        let mut bottleneck = |rank: u64, first_live: bool, second: u64| {
+            per_token += self.norm_of((rank, 1), first_live, full);
+            per_token += (full || second > 0) as u64 * b * rank + b * second;
+            first_live || full || second > 0
+        };
+        let q_live = match m.q_rank {
+            None => normed || full || r.q > 0,
+            Some(rank) => bottleneck(rank, normed || full || r.q_a > 0, r.q_b),
+        };
+        let latent_live = normed || full || r.kv_a > 0;
+        let kv_live = bottleneck(m.kv_rank, latent_live, r.kv_b);
+        // In fp32 the latent's norm keeps its input, a view of the
+        // latent and the turned key's part beside it: all of it.
+        if latent_live && b == 4 {
+            per_token += 4 * m.rope;
+        }
+        // The queries' turned part and the shared key multiply cos and
+        // sin, which they keep when they need a gradient.
+        let turned = if self.fp32_rope { 4 } else { b };
+        let per_position = 2 * turned * m.rope * (q_live as u64 + latent_live as u64);
+        let attended = q_live || kv_live;
+        let qk = heads * (m.nope + m.rope);
+        // The values as the kernel takes them: padded to the queries'
+        // width, a tensor of their own, where narrower; else a view of
+        // the expansion, which they keep whole.
+        let (values, out) = match m.v < m.nope + m.rope {
+            true => (qk, qk),
+            false => (heads * (m.nope + m.v), heads * m.v),
+        };
+        // The kernel keeps the queries, the keys (the shared turned key
+        // copied to every head), the values, its output and each head's
+        // fp32 log-sum-exp. Its output is laid out by head, as the
+        // queries are, so the output projection reads a copy of it by
+        // token, which it keeps where its weight trains or an adapter
+        // reads it.
+        per_token += attended as u64 * (b * (2 * qk + values + out) + 4 * heads);
+        per_token += (full || r.o > 0) as u64 * b * heads * m.v;
+        (per_token, per_position, 0, attended)
+    }
+
+    /// What a layer keeps per token, per position (the rotary
+    /// embedding's cos and sin, shared by the rows) and once, and
+    /// whether its output needs a gradient; `live`: whether its input
+    /// does, `full`: whether its base trains, `r`: its adapters,
+    /// `experts`: its mixture of experts in place of the MLP. An adapter
+    /// keeps its input (shared by the layers reading one tensor) and its
+    /// `A`'s output.
+    fn layer(
+        &self,
+        live: bool,
+        full: bool,
+        r: &Ranks,
+        experts: Option<&Experts>,
+    ) -> (u64, u64, u64, bool) {
+        let Self {
+            b,
+            h,
+            i,
+            sandwich,
+            pre_norms,
+            gated,
+            parallel,
+            ..
+        } = *self;
+        // What reads one fused output needs a gradient where any part of
+        // it does.
+        let gate_up = r.gate_up > 0;
+        let (mut per_token, mut per_forward) = (0, 0);
+        if pre_norms {
+            per_token += self.norm(live, full);
+            per_forward += self.norm_weights(live);
+        }
+        let normed = live || (pre_norms && full);
+        // Queries, keys and values read one tensor (and, side by side,
+        // the MLP's gate and up).
+        if full || r.attention_input() > 0 || (parallel && r.mlp_input() > 0) {
+            per_token += b * h;
+        }
+        per_token += b * r.attention_input();
+        let (token, per_position, forward, attended) = match &self.latent {
+            Some(m) => self.latent(m, normed, full, r),
+            None => self.heads(normed, full, r),
+        };
         per_token += token;
         per_forward += forward;
         per_token += b * r.o;

@@ -1253,6 +1253,26 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         out.contains("stage 3 in all: 9.68 GiB a rank while it trains"),
         "{out}"
     );
+    // A config's stage below 3: its model state, the largest unit's
+    // gradient and the fp32 buffer it is reduced from (500 MiB), the
+    // activations; at stage 1 the reduced shards too, held to the step
+    // beside the whole sum (2.05 GiB).
+    for (stage, said) in [
+        (2, "stage 2 in all: 11.48 GiB a rank while it trains"),
+        (1, "stage 1 in all: 15.58 GiB a rank while it trains"),
+    ] {
+        let ds = dir.join(format!("ds{stage}.json"));
+        let json =
+            format!(r#"{{"train_batch_size": 2, "zero_optimization": {{"stage": {stage}}}}}"#);
+        std::fs::write(&ds, json).unwrap();
+        let (ok, out) = zrt(&[&base[..], &["--config", ds.to_str().unwrap()]].concat());
+        assert!(ok && out.contains(said), "{out}");
+        let gradients = format!("stage {stage} reduces a unit at a time: the largest, `lm_head` (65536000 params), adds up to 500.00 MiB");
+        assert!(
+            out.contains(&gradients) && !out.contains("stage 3 in all"),
+            "{out}"
+        );
+    }
     let (ok, out) = zrt(&[
         &base[..],
         &["--checkpoint-activations", "--micro-batch", "2"],
@@ -1454,6 +1474,15 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     ] {
         assert!(out.contains(said), "{said}: {out}");
     }
+    // At stage 2 the frozen model is every rank's, whole (4.10 GiB),
+    // and no unit is gathered.
+    let ds2 = dir.join("ds2.json");
+    let (ok, out) = zrt(&[&base[..], &lora[2..], &["--config", ds2.to_str().unwrap()]].concat());
+    assert!(
+        ok && out.contains("stage 2 in all: 4.88 GiB a rank while it trains")
+            && !out.contains("gathers"),
+        "{out}"
+    );
     // PEFT's default targets for the model's type: Llama's q_proj and
     // v_proj.
     let (ok, out) = zrt(&[

@@ -1,7 +1,10 @@
 """Writes a 1.1B-parameter Llama of TinyLlama's shape (random weights,
 bf16, in 1 GB shards) and random token files for the real-size run the
 README's Benchmarks describe. Usage: python make_tinyllama.py DIR
-(about 5 GB of memory, 20 s; the files take 2.1 GB)."""
+[LAYERS] (about 5 GB of memory, 20 s; the files take 2.1 GB; LAYERS,
+22 by default, makes a smaller model of the same width: 11 layers,
+0.6B parameters, for the runs at stages 1 and 2 that 1.1B's state
+would not fit beside on this machine)."""
 import sys
 
 import numpy as np
@@ -13,7 +16,7 @@ config = LlamaConfig(
     vocab_size=32000,
     hidden_size=2048,
     intermediate_size=5632,
-    num_hidden_layers=22,
+    num_hidden_layers=int(sys.argv[2]) if len(sys.argv) > 2 else 22,
     num_attention_heads=32,
     num_key_value_heads=4,
     max_position_embeddings=2048,

@@ -3,7 +3,11 @@
 //! DESIGN.md's table, whose gradients are 16-bit. Frozen parameters (a
 //! LoRA model's base: `--frozen`) add their values alone, sharded at
 //! stage 3 and packed as int8 with `--quantize-frozen`. And what building
-//! the model holds before an engine shards it.
+//! the model holds before an engine shards it. With `--seq`, what a
+//! rank holds in all while it trains at the config's stage (stage 3
+//! without a config): the model state, the largest unit in flight, the
+//! activations, and at stage 1 the reduced gradients' shard held to the
+//! step.
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -363,8 +367,10 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if mixed {
         println!("zrt reduces and accumulates gradients in fp32 (a 16-bit accumulation drifts); the second column is DESIGN.md's table, DeepSpeed's, which keeps them in {dtype}");
     }
-    let unit = match (largest, lora.is_some()) {
-        (Some((name, n)), false) => {
+    // The stage summed in all: the config's, else stage 3.
+    let stage = marked.unwrap_or(3);
+    let unit = match (largest, lora.is_some(), stage) {
+        (Some((name, n)), false, 3) => {
             // Gathered values and their gradient in the compute dtype,
             // and the fp32 buffer the gradient is reduced from.
             let peak = (2.0 * c + 4.0) * n as f64;
@@ -374,7 +380,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
             );
             Some(peak)
         }
-        (Some((name, n)), true) => {
+        (Some((name, n)), true, 3) => {
             let peak = c * n as f64;
             println!(
                 "stage 3 gathers a unit at a time: the largest, `{name}` ({n} params, frozen), adds {} of gathered values, besides its adapters and activations",
@@ -382,10 +388,26 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
             );
             Some(peak)
         }
-        (None, _) => None,
+        (Some((name, n)), false, _) => {
+            // Below stage 3 every rank holds the values: a unit's
+            // gradient in the compute dtype, and the fp32 buffer it is
+            // reduced from, live while backward goes on.
+            let peak = (c + 4.0) * n as f64;
+            println!(
+                "stage {stage} reduces a unit at a time: the largest, `{name}` ({n} params), adds up to {} at its backward (its gradient in {dtype}, the fp32 buffer it is reduced from), besides activations",
+                human(peak)
+            );
+            Some(peak)
+        }
+        // Below stage 3 the frozen model is every rank's (counted in the
+        // model state); only the adapters' gradients are reduced.
+        (Some(_), true, _) => Some(0.0),
+        (None, _, _) => None,
     };
-    let stage3 = model_state_bytes(3, params, a.world as f64, c, moments)
-        + frozen_bytes(3, frozen, a.world as f64, c, quantize_frozen);
+    let state_at = |stage: u8| {
+        model_state_bytes(stage, params, a.world as f64, c, moments)
+            + frozen_bytes(stage, frozen, a.world as f64, c, quantize_frozen)
+    };
     if let (Some(seq), Some(path)) = (a.seq, &a.hf_config) {
         let held = activations(
             path,
@@ -394,12 +416,29 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
             lora.as_ref().map(|(l, _)| l),
         )?;
         if let (Some(held), Some(unit)) = (held, unit) {
+            let in_flight = match stage {
+                3 => "the largest unit in flight",
+                1 => "the largest unit's gradients in flight, the reduced gradients' shard held to the step",
+                _ => "the largest unit's gradients in flight",
+            };
+            // Stage 1 keeps the accumulated gradients whole until the
+            // step, and reduces them into shards of their own beside
+            // them in the last backward before it.
+            let reduced = match stage {
+                1 => 4.0 * params / a.world as f64,
+                _ => 0.0,
+            };
             println!(
-                "stage 3 in all: {} a rank while it trains (the model state, the largest unit in flight, the activations); the program, libtorch's own memory, the units prefetched beside it and the allocator's slack come on top (0.35-1.4 GiB a rank in the 1.1B runs of the README's Benchmarks)",
-                human(stage3 + unit + held as f64)
+                "stage {stage} in all: {} a rank while it trains (the model state, {in_flight}, the activations); the program, libtorch's own memory, {} and the allocator's slack come on top (0.35-1.4 GiB a rank in the 1.1B and 0.6B runs of the README's Benchmarks)",
+                human(state_at(stage) + unit + reduced + held as f64),
+                match stage {
+                    3 => "the units prefetched beside it",
+                    _ => "the reductions in flight beside it (two reduce buckets)",
+                }
             );
         }
     }
+    let stage3 = state_at(3);
     let built = build_bytes(params, frozen);
     println!(
         "building the model: {} on every rank (its weights in fp32, as tch's layers make them), or on rank 0 alone under ShardPlan::weights_on_first_rank_only (the other ranks hold one block), or on no rank under ShardPlan::weights_from_file (each loads its shard of a file) or weights_on_disk_while_built (rank 0 writes it to disk as it is made){}",

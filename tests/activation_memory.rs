@@ -361,14 +361,27 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         rank_pattern: vec![("v_proj".into(), 3), ("up_proj".into(), 5)],
         ..lora(&["all-linear"])
     };
+    // LoRA's dropout: each adapter keeps its own dropped input, and its
+    // mask where the input needs a gradient (not below the first
+    // adapter, on layer 1).
+    let dropped = |p: f64, l: &zrt::lora::LoraConfig| zrt::lora::LoraConfig {
+        dropout: p,
+        ..l.clone()
+    };
     let cases = [
         lora(&["all-linear"]),
         lora(&["q_proj", "v_proj"]),
         lora(&["o_proj"]),
         lora(&["gate_proj"]),
         lora(&["up_proj", "down_proj"]),
+        dropped(0.1, &on_layer_1),
         on_layer_1,
+        dropped(0.05, &ranked),
         ranked,
+        dropped(
+            0.1,
+            &lora(&["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]),
+        ),
     ];
     // The same targets under a family's own names: Phi-3's fused
     // projections, Mixtral's experts' matrices, GLM's fused gate and up,
@@ -445,11 +458,16 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             lora(&["kv_a_proj_with_mqa"]),
             lora(&["q_a_proj", "kv_a_proj_with_mqa"]),
             dense_first(&["q_a_proj", "gate_proj", "down_proj"]),
+            dropped(0.1, &lora(&["q_b_proj", "kv_b_proj", "o_proj"])),
         ])
         .collect();
     let one_q_cases: Vec<_> = (renamed(&[(&["v_proj"], "kv_a_proj_with_mqa")]))
         .into_iter()
-        .chain([lora(&["kv_b_proj"]), dense_first(&["up_proj", "q_proj"])])
+        .chain([
+            lora(&["kv_b_proj"]),
+            dense_first(&["up_proj", "q_proj"]),
+            dropped(0.1, &lora(&["kv_b_proj", "q_proj"])),
+        ])
         .collect();
     for &(model_type, extra) in COUNTED {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
@@ -595,13 +613,9 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         held_for_backward(&llama, rows_seq, Kind::Float, false, Some(l))
     };
     assert!(est(&lora).is_some());
-    // LoRA's dropout and DoRA keep more; a trained head or token rows
-    // are not a layer's adapters.
+    // DoRA keeps more; a trained head or token rows are not a layer's
+    // adapters.
     for other in [
-        zrt::lora::LoraConfig {
-            dropout: 0.05,
-            ..lora.clone()
-        },
         zrt::lora::LoraConfig {
             use_dora: true,
             ..lora.clone()

@@ -1474,6 +1474,13 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     ] {
         assert!(out.contains(said), "{said}: {out}");
     }
+    // LoRA's dropout: each of the seven adapters of a layer keeps its
+    // own dropped input and its mask, where one input was kept for all.
+    let (ok, out) = zrt(&[&base[..], &lora[..], &["--lora-dropout", "0.05"]].concat());
+    assert!(
+        ok && out.contains("LoRA r 16 adapters training holds 1.20 GiB a rank"),
+        "{out}"
+    );
     // At stage 2 the frozen model is every rank's, whole (4.10 GiB),
     // and no unit is gathered.
     let ds2 = dir.join("ds2.json");

@@ -37,16 +37,17 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// the logits the loss keeps. `kind` is the compute dtype (the
 /// weights' and activations'; norms and the loss compute in fp32, as the
 /// families' classes do). With `lora`, its adapters train on a frozen
-/// base, as [`crate::lora::freeze_base`] leaves it.
+/// base, as [`crate::lora::freeze_base`] leaves it, its dropout (each
+/// adapter's own dropped input and mask) too.
 ///
 /// `None` where the count would be a guess: a family not in
 /// [`COUNTED_FAMILIES`], or a layer of one unlike what is counted there
 /// (a mixture of experts other than a plain one, `Experts::of`), whose
 /// gates save other tensors;
-/// a dropout (of the attention, a sublayer's output or the embeddings),
-/// which saves its mask; and LoRA with a
-/// dropout, DoRA, bias terms, or anything besides the layers' adapters
-/// training (the head, token rows, `modules_to_save`, parameters).
+/// a dropout of the model's (of the attention, a sublayer's output or
+/// the embeddings), which saves its mask; and LoRA with DoRA, bias
+/// terms, or anything besides the layers' adapters training (the head,
+/// token rows, `modules_to_save`, parameters).
 /// Gemma 2's soft-capped attention and GPT-OSS's beside its sinks are
 /// counted as training computes them, a block of queries at a time and
 /// again in backward (`eager_attention`), keeping no scores; where the
@@ -107,6 +108,7 @@ pub fn held_for_backward(
             sinks: c.family == Family::GptOss,
         }),
         latent: c.mla.as_ref().map(Latent::of),
+        dropout: lora.is_some_and(|l| l.dropout > 0.0),
     };
     let tokens = rows * seq;
     let full = lora.is_none();
@@ -324,8 +326,7 @@ fn counted(c: &LlamaConfig) -> bool {
 /// Whether only the layers' adapters train under `l`, with nothing that
 /// saves more than this module counts.
 fn adapters_alone(l: &LoraConfig) -> bool {
-    l.dropout == 0.0
-        && !l.use_dora
+    !l.use_dora
         && !l.train_biases
         && !l.lora_bias
         && l.modules_to_save.is_empty()
@@ -560,7 +561,17 @@ impl Ranks {
 
     /// The ranks of the adapters reading the attention's input.
     fn attention_input(&self) -> u64 {
-        self.q + self.k + self.v + self.qkv + self.q_a + self.kv_a
+        self.attention_ranks().iter().sum()
+    }
+
+    /// Those adapters' ranks, one by one.
+    fn attention_ranks(&self) -> [u64; 6] {
+        [self.q, self.k, self.v, self.qkv, self.q_a, self.kv_a]
+    }
+
+    /// The ranks of the adapters reading the MLP's input, one by one.
+    fn mlp_ranks(&self) -> [u64; 3] {
+        [self.gate, self.up, self.gate_up]
     }
 
     /// The ranks of the adapters reading the MLP's input.
@@ -747,6 +758,8 @@ struct Widths {
     /// DeepSeek-V3's latent attention in place of heads projected from
     /// the input.
     latent: Option<Latent>,
+    /// LoRA's dropout of each adapter's input (`lora_dropout` > 0).
+    dropout: bool,
 }
 
 /// The widths of DeepSeek-V3's latent attention ([`Mla`]).
@@ -787,6 +800,23 @@ struct Eager {
 }
 
 impl Widths {
+    /// Whether the readers of one tensor keep it as it is: the base's
+    /// matrix where it trains (`base`), or an adapter of `ranks` (0
+    /// where there is none) without LoRA's dropout.
+    fn shares(&self, base: bool, ranks: &[u64]) -> bool {
+        base || (!self.dropout && ranks.iter().any(|&r| r > 0))
+    }
+
+    /// What LoRA's dropout keeps for the adapters of `ranks` reading one
+    /// tensor `width` wide a token: each its own dropped copy (its `A`
+    /// keeps it), and, where the tensor needs a gradient (`live`), the
+    /// scaled mask it was multiplied by, in the compute dtype (libtorch's
+    /// CPU dropout).
+    fn dropped(&self, width: u64, ranks: &[u64], live: bool) -> u64 {
+        let adapters = ranks.iter().filter(|&&r| r > 0).count() as u64;
+        self.dropout as u64 * adapters * self.b * width * (1 + live as u64)
+    }
+
     /// What an RMSNorm keeps per token: its input in fp32 (in fp32 the
     /// input itself, else its fp32 copy) and one fp32 reciprocal when
     /// the gradient flows through it; its normalized values when its
@@ -896,7 +926,7 @@ impl Widths {
     /// position and once a forward, and whether the attention's output
     /// needs a gradient; `normed`: whether the input does, `full`:
     /// whether the base trains, `r`: the layer's adapters.
-    fn heads(&self, normed: bool, full: bool, r: &Ranks) -> (u64, u64, u64, bool) {
+    fn heads(&self, normed: bool, full: bool, r: &Ranks, o_kept: bool) -> (u64, u64, u64, bool) {
         let Self {
             b,
             q,
@@ -942,7 +972,7 @@ impl Widths {
         let turned = if fp32_rope { 4 } else { b };
         let per_position = 2 * turned * rd * (q_live as u64 + k_live as u64);
         let attended = q_live || k_live || v_live;
-        let (token, forward) = self.attention((q_live, k_live, v_live), full || r.o > 0);
+        let (token, forward) = self.attention((q_live, k_live, v_live), o_kept);
         per_token += token;
         per_forward += forward;
         (per_token, per_position, per_forward, attended)
@@ -954,7 +984,13 @@ impl Widths {
     /// every head shares, the fused kernel over queries and keys as wide
     /// as the unturned and turned parts together and values of their
     /// own width.
-    fn latent(&self, m: &Latent, normed: bool, full: bool, r: &Ranks) -> (u64, u64, u64, bool) {
+    fn latent(
+        &self,
+        m: &Latent,
+        (normed, full): (bool, bool),
+        r: &Ranks,
+        o_kept: bool,
+    ) -> (u64, u64, u64, bool) {
         let Self { b, heads, .. } = *self;
         let mut per_token = 0;
         // A normed bottleneck `rank` wide: its norm (an RMSNorm, which
@@ -964,7 +1000,8 @@ impl Widths {
         // given whether the first projection's does.
         let mut bottleneck = |rank: u64, first_live: bool, second: u64| {
             per_token += self.norm_of((rank, 1), first_live, full);
-            per_token += (full || second > 0) as u64 * b * rank + b * second;
+            per_token += self.shares(full, &[second]) as u64 * b * rank + b * second;
+            per_token += self.dropped(rank, &[second], first_live);
             first_live || full || second > 0
         };
         let q_live = match m.q_rank {
@@ -998,7 +1035,7 @@ impl Widths {
         // token, which it keeps where its weight trains or an adapter
         // reads it.
         per_token += attended as u64 * (b * (2 * qk + values + out) + 4 * heads);
-        per_token += (full || r.o > 0) as u64 * b * heads * m.v;
+        per_token += o_kept as u64 * b * heads * m.v;
         (per_token, per_position, 0, attended)
     }
 
@@ -1037,17 +1074,23 @@ impl Widths {
         let normed = live || (pre_norms && full);
         // Queries, keys and values read one tensor (and, side by side,
         // the MLP's gate and up).
-        if full || r.attention_input() > 0 || (parallel && r.mlp_input() > 0) {
-            per_token += b * h;
+        let mut readers = r.attention_ranks().to_vec();
+        if parallel {
+            readers.extend(r.mlp_ranks());
         }
-        per_token += b * r.attention_input();
+        per_token += self.shares(full, &readers) as u64 * b * h;
+        per_token += b * readers.iter().sum::<u64>() + self.dropped(h, &readers, normed);
+        // The output projection keeps the attention's output where its
+        // weight trains or its adapter reads it as it is.
+        let o_kept = self.shares(full, &[r.o]);
         let (token, per_position, forward, attended) = match &self.latent {
-            Some(m) => self.latent(m, normed, full, r),
-            None => self.heads(normed, full, r),
+            Some(m) => self.latent(m, (normed, full), r, o_kept),
+            None => self.heads(normed, full, r, o_kept),
         };
         per_token += token;
         per_forward += forward;
-        per_token += b * r.o;
+        let o_width = self.latent.map_or(self.q, |m| self.heads * m.v);
+        per_token += b * r.o + self.dropped(o_width, &[r.o], attended);
         let o_live = attended || full || r.o > 0;
         // Gemma 3 normalises the attention's output before the residual.
         if sandwich {
@@ -1073,10 +1116,11 @@ impl Widths {
             None => {
                 // Gate and up read one tensor (the attention's too, side
                 // by side: counted there).
-                if !parallel && (full || r.mlp_input() > 0) {
-                    per_token += b * h;
+                if !parallel {
+                    let readers = r.mlp_ranks();
+                    per_token += self.shares(full, &readers) as u64 * b * h;
+                    per_token += b * r.mlp_input() + self.dropped(h, &readers, normed);
                 }
-                per_token += b * r.mlp_input();
                 let up_live = normed || full || gate_up || r.up > 0;
                 let inner_live = match gated {
                     // The activation keeps the gate; the product keeps
@@ -1102,10 +1146,8 @@ impl Widths {
                     }
                 };
                 // The down projection keeps its input.
-                if full || r.down > 0 {
-                    per_token += b * i;
-                }
-                per_token += b * r.down;
+                per_token += self.shares(full, &[r.down]) as u64 * b * i;
+                per_token += b * r.down + self.dropped(i, &[r.down], inner_live);
                 inner_live || full || r.down > 0
             }
         };

@@ -96,6 +96,11 @@ pub struct EstimateArgs {
     /// default for the model's type without it).
     #[arg(long, requires = "lora_r")]
     lora_targets: Option<String>,
+    /// With `--lora-r`: the rate of LoRA's dropout of each adapter's
+    /// input (`lora_dropout`, `finetune_hf --lora-dropout`), which keeps
+    /// each adapter's dropped copy of its input, and its mask.
+    #[arg(long, default_value_t = 0.0, requires = "lora_r")]
+    lora_dropout: f64,
     /// A DeepSpeed config to take the dtype, the optimizer and
     /// `zero_quantized_nontrainable_weights` from; its stage's row is
     /// marked.
@@ -237,9 +242,10 @@ fn params_of(a: &EstimateArgs) -> Result<Counted> {
         };
         let lora = LoraConfig {
             target_modules: targets,
+            dropout: a.lora_dropout,
             ..LoraConfig::new(r, 2.0 * r as f64, &[])
         };
-        lora.check("--lora-r and --lora-targets")?;
+        lora.check("--lora-r, --lora-targets and --lora-dropout")?;
         let Some(adapters) = zrt::hf::adapter_params(path, &lora)? else {
             bail!("--lora-r counts the adapters of the layers of {} (not on a mixture's router or experts); for this model give the adapters' count as --params and the model's as --frozen", zrt::llama::COUNTED_FAMILIES);
         };

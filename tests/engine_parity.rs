@@ -651,18 +651,15 @@ fn compare(what: &str, engine: (Vec<f64>, Params), reference: (Vec<f64>, Params)
         assert_eq!(na, nb, "{what}");
         assert_eq!(a.len(), b.len(), "{what}: {na}");
         // The element closest to its bound, recorded once a parameter.
-        let mut closest = (0.0, 0.0, 1e-6);
+        let mut closest = common::Closest::default();
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
             let (x, y) = (*x as f64, *y as f64);
             // 1e-5 relative; parameters that cancel to near zero are held
             // to 1e-5 of the parameters' scale (0.1) instead.
-            let (diff, bound) = ((x - y).abs(), 1e-5 * y.abs().max(0.1));
-            if diff / bound > closest.0 {
-                closest = (diff / bound, diff, bound);
-            }
-            assert!(diff <= bound, "{what}: {na}[{i}] engine {x} reference {y}");
+            let within = closest.see((x - y).abs(), 1e-5 * y.abs().max(0.1));
+            assert!(within, "{what}: {na}[{i}] engine {x} reference {y}");
         }
-        common::margin(&format!("{what}: {na}"), closest.1, closest.2);
+        closest.record(&format!("{what}: {na}"));
     }
 }
 

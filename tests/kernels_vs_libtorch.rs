@@ -4,6 +4,7 @@
 //! (libtorch's `torch::optim::RMSprop`), and the casts against
 //! `Tensor::to_kind`, bit for bit.
 
+use crate::common;
 use half::{bf16, f16};
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use zrt::kernels::{
@@ -102,6 +103,7 @@ fn adam_and_adamw_match_libtorch_over_ten_steps() {
                     .fold(0f64, |s, &b| s.max(b.abs() as f64));
                 for threads in [1, 2] {
                     let got = zrt_adam(threads, &cfg, &p0, &grads);
+                    let mut closest = common::Closest::default();
                     for i in 0..n {
                         let (a, b) = (got[i] as f64, want[i] as f64);
                         let tol = if b.abs() >= 1e-2 {
@@ -110,10 +112,13 @@ fn adam_and_adamw_match_libtorch_over_ten_steps() {
                             1e-6 * scale
                         };
                         assert!(
-                            (a - b).abs() <= tol,
+                            closest.see((a - b).abs(), tol),
                             "n={n} adamw={adam_w_mode} wd={weight_decay} threads={threads} i={i}: zrt {a} torch {b}"
                         );
                     }
+                    closest.record(&format!(
+                        "Adam against libtorch: n={n} adamw={adam_w_mode} wd={weight_decay} threads={threads}"
+                    ));
                 }
             }
         }
@@ -170,13 +175,17 @@ fn adagrad_matches_libtorchs_operations() {
             }
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&sum), bits(&want_sum), "n={n} threads={threads}");
+            let mut closest = common::Closest::default();
             for i in 0..n {
                 let (a, b) = (p[i] as f64, want[i] as f64);
                 assert!(
-                    (a - b).abs() <= 1e-6 * b.abs().max(0.1),
+                    closest.see((a - b).abs(), 1e-6 * b.abs().max(0.1)),
                     "n={n} threads={threads} i={i}: zrt {a} torch {b}"
                 );
             }
+            closest.record(&format!(
+                "Adagrad against libtorch: n={n} threads={threads}"
+            ));
         }
     }
 }
@@ -237,13 +246,21 @@ fn rmsprop_matches_libtorchs_rmsprop() {
                     };
                     rmsprop_step(&pool, &cfg, 1.0, shard, ComputeCopy::None).unwrap();
                 }
+                let mut closest = common::Closest::default();
                 for i in 0..n {
                     let (a, b) = (p[i] as f64, want[i] as f64);
                     assert!(
-                        (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                        closest.see((a - b).abs(), 1e-6 * b.abs().max(1.0)),
                         "{cfg:?} n={n} threads={threads} i={i}: zrt {a} torch {b}"
                     );
                 }
+                let how = format!(
+                    "momentum {} centered {} weight decay {}",
+                    cfg.momentum, cfg.centered, cfg.weight_decay
+                );
+                closest.record(&format!(
+                    "RMSprop against libtorch: {how} n={n} threads={threads}"
+                ));
             }
         }
     }

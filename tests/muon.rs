@@ -220,6 +220,8 @@ fn two_ranks_at_every_stage_train_as_torchs_muon_and_adamw_on_one_process() {
                 } else {
                     1e-6
                 };
+                let what = format!("Muon and AdamW against torch's: {params} stage {stage} {n}");
+                common::margin(&what, worst as f64, bound as f64);
                 assert!(
                     worst < bound,
                     "{params} stage {stage}: `{n}` differs from torch's by {worst}\n{g:?}\n{w:?}"
@@ -434,6 +436,7 @@ fn the_plans_rule_chooses_muons_parameters_and_ranks_must_agree_on_it() {
         let worst = (g.iter().zip(w))
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f32::max);
+        common::margin(&format!("Muon against torch's: {n}"), worst as f64, 1e-4);
         assert!(worst < 1e-4, "`{n}` differs from torch's by {worst}");
     }
     // A vector cannot be orthogonalized.

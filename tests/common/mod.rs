@@ -432,6 +432,43 @@ pub fn margin(what: &str, diff: f64, bound: f64) {
     }
 }
 
+/// The comparison closest to its bound among many (a tensor's
+/// elements), recorded once with [`margin`].
+pub struct Closest {
+    share: f64,
+    diff: f64,
+    bound: f64,
+}
+
+impl Default for Closest {
+    fn default() -> Self {
+        Self {
+            share: -1.0,
+            diff: 0.0,
+            bound: 1.0,
+        }
+    }
+}
+
+impl Closest {
+    /// Sees a comparison of `diff` against `bound`, and returns whether
+    /// it is within it.
+    pub fn see(&mut self, diff: f64, bound: f64) -> bool {
+        if diff / bound > self.share {
+            (self.share, self.diff, self.bound) = (diff / bound, diff, bound);
+        }
+        diff <= bound
+    }
+
+    /// Records the closest one seen as `what`'s margin (none if nothing
+    /// was seen).
+    pub fn record(&self, what: &str) {
+        if self.share >= 0.0 {
+            margin(what, self.diff, self.bound);
+        }
+    }
+}
+
 /// Runs `cmd` (a launch of the main job) to its end in a fresh folder,
 /// removed after, so that what the job writes at relative paths (its
 /// config's TensorBoard folder, `target/runs`) stays out of the checkout,

@@ -486,7 +486,7 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of {}, with no dropout, no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
+            "activations: not counted for this model (zrt counts the layers of {}, with no dropout of the model's own (LoRA's is counted), no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
             zrt::llama::COUNTED_FAMILIES
         ),
     }

@@ -1678,7 +1678,13 @@ impl Layer {
                 Differential::every_head(&k, c.heads),
                 Differential::values(&v, c.heads),
             );
-            let out = self.attention(&q, &k, &v, offset, documents.as_ref());
+            // libtorch's fused kernel takes one width for all three: the
+            // queries and keys padded with zeros to the values' (their
+            // products unchanged), the scores scaled by their own width.
+            // Unpadded they would take the kernel that keeps every score.
+            let d = q.size()[3];
+            let (q, k) = (q.constant_pad_nd([0, d]), k.constant_pad_nd([0, d]));
+            let out = self.attention(&q, &k, &v, (offset, Some(d)), documents.as_ref());
             return (diff.combine(&out).transpose(1, 2).contiguous()).view([
                 b,
                 t,
@@ -1696,9 +1702,10 @@ impl Layer {
         let out = match narrow_values {
             Some((width, qk)) => {
                 let v = v.constant_pad_nd([0, qk - width]);
-                (self.attention(&q, &k, &v, offset, documents.as_ref())).narrow(-1, 0, width)
+                (self.attention(&q, &k, &v, (offset, None), documents.as_ref()))
+                    .narrow(-1, 0, width)
             }
-            None => self.attention(&q, &k, &v, offset, documents.as_ref()),
+            None => self.attention(&q, &k, &v, (offset, None), documents.as_ref()),
         };
         let out = (out.transpose(1, 2))
             .contiguous()
@@ -1763,13 +1770,15 @@ impl Layer {
     /// operation for operation (the fused kernel cannot cap them, nor add
     /// GPT-OSS's sinks or Doge's bias; in training without dropout a
     /// block of queries at a time, `eager_attention`). Packed
-    /// `documents` each attend within themselves (and their window).
+    /// `documents` each attend within themselves (and their window). The
+    /// queries start at row position `offset`; queries and keys padded
+    /// with zeros past their own `width` are scaled by it.
     fn attention(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        offset: i64,
+        (offset, width): (i64, Option<i64>),
         documents: Option<&Documents>,
     ) -> Tensor {
         let c = &self.cfg;
@@ -1779,7 +1788,11 @@ impl Layer {
         // Queries at `offset..offset + t` over keys from 0 (a cache's).
         let visible = |w: i64| in_window_from((offset, t), offset + t, w, q.device());
         let dropout = self.training.attention(c.attention_weights_dropout());
-        let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
+        // Queries padded past their `width` are scaled as their own width
+        // would be, as the kernel computes it.
+        let scale = (c.attention_multiplier)
+            .or(c.query_scalar.map(|s| s.powf(-0.5)))
+            .or(width.map(|d| 1.0 / (d as f64).sqrt()));
         // Scores the fused kernel cannot compute: soft-capped, beside
         // sinks, or biased by Doge's dynamic mask (which its keys' values
         // make, so its gradient reaches them).

@@ -340,9 +340,9 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
 /// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
 /// GLM-4-MoE's, dots.llm1's and DeepSeek-V2's and V3's; Qwen2-MoE's
-/// beside its gated shared expert): each token's top `k` of `count` experts by the router's
-/// scores (renormalised when `normalize`), each expert a gated MLP
-/// `width` wide run on the tokens that chose it.
+/// beside its gated shared expert): each token's top `k` of `count`
+/// experts by the router's scores (renormalised when `normalize`), each
+/// expert a gated MLP `width` wide run on the tokens that chose it.
 struct Experts {
     count: u64,
     k: u64,
@@ -925,7 +925,8 @@ impl Widths {
     /// the layer's input keep (and the attention of them), a token, a
     /// position and once a forward, and whether the attention's output
     /// needs a gradient; `normed`: whether the input does, `full`:
-    /// whether the base trains, `r`: the layer's adapters.
+    /// whether the base trains, `r`: the layer's adapters, `o_kept`:
+    /// whether the output projection keeps the attention's output.
     fn heads(&self, normed: bool, full: bool, r: &Ranks, o_kept: bool) -> (u64, u64, u64, bool) {
         let Self {
             b,
@@ -1044,7 +1045,8 @@ impl Widths {
     /// whether its output needs a gradient; `live`: whether its input
     /// does, `full`: whether its base trains, `r`: its adapters,
     /// `experts`: its mixture of experts in place of the MLP. An adapter
-    /// keeps its input (shared by the layers reading one tensor) and its
+    /// keeps its input (shared by the layers reading one tensor; under
+    /// LoRA's dropout its own dropped copy, [`Widths::dropped`]) and its
     /// `A`'s output.
     fn layer(
         &self,

@@ -435,7 +435,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
                 _ => 0.0,
             };
             println!(
-                "stage {stage} in all: {} a rank while it trains (the model state, {in_flight}, the activations); the program, libtorch's own memory, {} and the allocator's slack come on top (0.35-1.4 GiB a rank in the 1.1B and 0.6B runs of the README's Benchmarks)",
+                "stage {stage} in all: {} a rank while it trains (the model state, {in_flight}, the activations); the program, libtorch's own memory, {} and the allocator's slack come on top (0.35-1.4 GiB a rank in the 0.4B-1.1B runs of the README's Benchmarks)",
                 human(state_at(stage) + unit + reduced + held as f64),
                 match stage {
                     3 => "the units prefetched beside it",

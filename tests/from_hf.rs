@@ -6041,14 +6041,10 @@ for k in want:
     // Naming a bare layer is refused, as PEFT refuses it (or fails on
     // it), naming the first layer that has one.
     let refused = |case: &str, targets: &[&str]| {
-        let vs = VarStore::new(tch::Device::Cpu);
-        let options = HfOptions {
-            lora: Some(zrt::lora::LoraConfig::new(2, 4.0, targets)),
-            ..Default::default()
-        };
-        let hf = dir.join(case).join("hf");
-        let err = HfModel::from_pretrained_with(&vs, &ShardPlan::new(), &hf, &options).err();
-        err.map(|e| e.to_string()).unwrap_or_default()
+        let lora = zrt::lora::LoraConfig::new(2, 4.0, targets);
+        built_alone_with(&dir.join(case).join("hf"), lora)
+            .err()
+            .unwrap_or_default()
     };
     let err = refused("gpt-oss", &["router"]);
     assert!(

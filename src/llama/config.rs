@@ -1145,7 +1145,7 @@ impl LlamaConfig {
                 _ => false,
             },
             rope_layers: match family {
-                Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
+                Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j, family)?),
                 // Jamba attends without positions (Mamba, Falcon-Mamba and
                 // RWKV not at all).
                 f if matches!(f, Family::Jamba | Family::Rwkv | Family::Xlstm)
@@ -3074,11 +3074,21 @@ impl Mla {
     }
 }
 
-/// SmolLM3's `no_rope_layers` (1: the layer turns, 0: it does not), or
-/// every `no_rope_layer_interval`-th layer (4 unless it says) without.
-fn rope_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
+/// SmolLM3's and Llama 4's `no_rope_layers` (1: the layer turns, 0: it
+/// does not; a longer list's first, as their classes read it), or every
+/// `no_rope_layer_interval`-th layer (4 unless it says) without: where
+/// it is left out or null, and for Llama 4 where it is empty
+/// (`Llama4TextConfig` takes `[]` for the default, a case it names, as
+/// Llama 4's published configs give it; SmolLM3's class would fail on
+/// its first layer).
+fn rope_layers(j: &HfJson, family: Family) -> Result<Vec<bool>, HfError> {
     let layers = j.size("num_hidden_layers")?;
-    let Some(v) = j.get("no_rope_layers") else {
+    let given = j.get("no_rope_layers").filter(|v| match v {
+        serde_json::Value::Null => false,
+        serde_json::Value::Array(l) => !l.is_empty() || family != Family::Llama4,
+        _ => true,
+    });
+    let Some(v) = given else {
         let every = j.size_or_none("no_rope_layer_interval")?.unwrap_or(4);
         return Ok((0..layers).map(|l| (l + 1) % every != 0).collect());
     };
@@ -3092,7 +3102,10 @@ fn rope_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
             .collect::<Option<Vec<bool>>>()
     });
     match list {
-        Some(l) if l.len() as i64 == layers => Ok(l),
+        Some(mut l) if l.len() as i64 >= layers => {
+            l.truncate(layers.max(0) as usize);
+            Ok(l)
+        }
         _ => Err(j.field(format!(
             "no_rope_layers {v}: one 1 (turns) or 0 (does not) for each of the {layers} layers"
         ))),
@@ -3102,7 +3115,7 @@ fn rope_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
 /// Llama 4's attention settings ([`Llama4Attention`]), with its config
 /// class's defaults.
 fn llama4_attention(j: &HfJson) -> Result<Llama4Attention, HfError> {
-    let turns = rope_layers(j)?;
+    let turns = rope_layers(j, Family::Llama4)?;
     let chunked = match j.get("layer_types") {
         None | Some(serde_json::Value::Null) => turns,
         Some(v) => (v.as_array())

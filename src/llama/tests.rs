@@ -464,6 +464,12 @@ fn granite_olmo2_and_smollm3_configs_are_read_and_counted() {
             ),
             "no_rope_layers [1,0]: one 1 (turns) or 0 (does not) for each of the 36 layers",
         ),
+        // Empty: SmolLM3's class keeps it and fails on the first layer
+        // (Llama 4's takes the default).
+        (
+            smollm3.replace(r#""no_rope_layer_interval": 4"#, r#""no_rope_layers": []"#),
+            "no_rope_layers []: one 1 (turns) or 0 (does not) for each of the 36 layers",
+        ),
         (
             smollm3.replace(
                 r#""use_sliding_window": false"#,
@@ -3025,7 +3031,30 @@ fn llama4_configs_are_read_and_counted() {
         ))
         .unwrap();
     assert!(!maverick.moe_layer(0) && maverick.moe_layer(1));
-    dir.round_trips([c, maverick]);
+    // `"no_rope_layers": []`, which the class takes for its default
+    // (until 2026-12-07 refused); a list longer than the layers, its
+    // first.
+    let empty = dir
+        .read(&scout.replace(
+            r#""num_attention_heads": 40"#,
+            r#""num_attention_heads": 40, "no_rope_layers": []"#,
+        ))
+        .unwrap();
+    assert_eq!(empty.rope_layers, c.rope_layers);
+    assert_eq!(empty.llama4.clone().unwrap().chunked, turns);
+    let longer = format!("[{}]", ["1, 1, 0"; 17].join(", "));
+    let longer = dir
+        .read(&scout.replace(
+            r#""num_attention_heads": 40"#,
+            &format!(r#""num_attention_heads": 40, "no_rope_layers": {longer}"#),
+        ))
+        .unwrap();
+    let turns = longer.rope_layers.clone().unwrap();
+    assert_eq!(
+        (turns.len(), turns[1], turns[2], turns[47]),
+        (48, true, false, false)
+    );
+    dir.round_trips([c, maverick, empty, longer]);
     dir.refuses(
         &scout.replace(
             r#""num_attention_heads": 40"#,

@@ -1827,19 +1827,23 @@ impl Layer {
             let grouped = c.kv_heads != c.heads && c.mla.is_none();
             // Llama 4's chunked layers: each token sees the earlier ones
             // of its chunk of the row (and of its document), when the
-            // row is longer than a chunk.
+            // row is longer than a chunk. One mask of scores for every
+            // chunked layer of the forward, as a window's.
             if let Some(size) = self.chunk.filter(|&s| s < offset + t) {
-                let opts = (Kind::Int64, q.device());
-                let i = Tensor::arange_start(offset, offset + t, opts).unsqueeze(1);
-                let j = Tensor::arange(offset + t, opts).unsqueeze(0);
-                let chunk = |x: &Tensor| x.divide_scalar_mode(size, "floor");
-                let mask = chunk(&i)
-                    .eq_tensor(&chunk(&j))
-                    .logical_and(&i.ge_tensor(&j));
-                let mask = match documents {
-                    Some(d) => mask.logical_and(&d.visible_within(None)),
-                    None => mask,
+                let visible = || {
+                    let opts = (Kind::Int64, q.device());
+                    let i = Tensor::arange_start(offset, offset + t, opts).unsqueeze(1);
+                    let j = Tensor::arange(offset + t, opts).unsqueeze(0);
+                    let chunk = |x: &Tensor| x.divide_scalar_mode(size, "floor");
+                    let mask = chunk(&i)
+                        .eq_tensor(&chunk(&j))
+                        .logical_and(&i.ge_tensor(&j));
+                    match documents {
+                        Some(d) => mask.logical_and(&d.visible_within(None)),
+                        None => mask,
+                    }
                 };
+                let mask = (self.cache).chunk_mask((t, offset, size, q.kind()), visible);
                 return Tensor::scaled_dot_product_attention(
                     q,
                     k,

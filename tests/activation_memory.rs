@@ -168,7 +168,12 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// than its queries and keys (padded for the fused kernel) and through
 /// the queries' bottleneck, and as wide with one `q_proj`, beside its
 /// grouped experts, and DeepSeek-V2's, its pairs turned in fp32, its
-/// experts chosen greedily or within groups by a softmax.
+/// experts chosen greedily or within groups by a softmax; Llama 4's two
+/// turning layers in chunks shorter than the row (sharing one mask)
+/// with L2-normalised heads around one without positions whose queries
+/// grow with the position, its top-1 expert beside a shared one between
+/// dense MLPs of their own width, and with neither norms nor growth nor
+/// chunks, two experts a token on every layer.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -315,6 +320,14 @@ const COUNTED: &[(&str, &str)] = &[
         "deepseek_v2",
         r#", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 48, "first_k_dense_replace": 0, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5, "pad_token_id": 96"#,
     ),
+    (
+        "llama4_text",
+        r#", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 112, "interleave_moe_layer_step": 2, "attention_chunk_size": 16, "no_rope_layers": [1, 0, 1], "floor_scale": 4, "pad_token_id": 96"#,
+    ),
+    (
+        "llama4_text",
+        r#", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "interleave_moe_layer_step": 1, "use_qk_norm": false, "attn_temperature_tuning": false, "no_rope_layers": [0, 1, 1], "pad_token_id": 96"#,
+    ),
 ];
 
 #[test]
@@ -447,10 +460,11 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     // reading one tensor, and the dense first layer's MLP (the others'
     // are experts, not counted); with one `q_proj`, the latent's first
     // projection in place of the values'.
-    let dense_first = |targets: &[&str]| zrt::lora::LoraConfig {
-        layers_to_transform: vec![0],
+    let on_layers = |layers: &[i64], targets: &[&str]| zrt::lora::LoraConfig {
+        layers_to_transform: layers.to_vec(),
         ..lora(targets)
     };
+    let dense_first = |targets: &[&str]| on_layers(&[0], targets);
     let latent_cases: Vec<_> = (renamed(&[(&["q_proj"], "q_b_proj"), (&["v_proj"], "kv_b_proj")]))
         .into_iter()
         .chain([
@@ -467,6 +481,23 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             lora(&["kv_b_proj"]),
             dense_first(&["up_proj", "q_proj"]),
             dropped(0.1, &lora(&["kv_b_proj", "q_proj"])),
+        ])
+        .collect();
+    // Llama 4's MLP targets in its dense layers alone (in a layer of
+    // experts they name the shared expert's, not counted).
+    let llama4_cases: Vec<_> = (cases.iter().cloned())
+        .chain([
+            on_layers(&[0, 2], &["gate_proj", "up_proj", "down_proj"]),
+            on_layers(&[2], &["up_proj", "q_proj"]),
+            // A pattern naming the module's path.
+            zrt::lora::LoraConfig {
+                rank_pattern: vec![("feed_forward.gate_proj".into(), 3)],
+                ..on_layers(&[0, 2], &["gate_proj", "up_proj"])
+            },
+            dropped(
+                0.1,
+                &on_layers(&[0, 2], &["k_proj", "gate_proj", "down_proj"]),
+            ),
         ])
         .collect();
     for &(model_type, extra) in COUNTED {
@@ -486,6 +517,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                 &one_q_cases[..]
             }
             "deepseek_v3" | "deepseek_v2" => &latent_cases[..],
+            "llama4_text" => &llama4_cases[..],
             _ => &cases[..],
         };
         for lora in cases {
@@ -598,7 +630,6 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         ("apertus", ""),
         ("falcon", ""),
         ("jamba", ""),
-        ("llama4_text", ""),
         ("deepseek_v3", wide_values),
     ] {
         assert_eq!(

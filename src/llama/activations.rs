@@ -6,12 +6,13 @@
 //! partly turned heads; OLMo's norms after each sublayer; ungated MLPs
 //! and LayerNorms; norms of each head, with weights shared or each
 //! head's own; heads turned by neighbouring pairs; plain mixtures of
-//! experts, GPT-OSS's clamped ones; Gemma 2's soft-capped attention and
-//! GPT-OSS's beside its sinks; DeepSeek's latent attention), the whole
-//! model training
-//! or LoRA's adapters on a frozen base; and those adapters' parameters.
-//! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it to what libtorch
-//! allocates, to the byte.
+//! experts, GPT-OSS's clamped ones and Llama 4's scaling their input;
+//! Gemma 2's soft-capped attention and GPT-OSS's beside its sinks;
+//! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
+//! and queries grown with their position), the whole model training or
+//! LoRA's adapters on a frozen base; and those adapters' parameters.
+//! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
+//! to what libtorch allocates, to the byte.
 //!
 //! autograd saves a tensor for the gradient of another input of the same
 //! operation: a matrix product keeps its input only if its weight trains,
@@ -96,9 +97,15 @@ pub fn held_for_backward(
         fp32_rope: c.family.olmo()
             || matches!(
                 c.family,
-                Family::Olmo1 | Family::Cohere | Family::Cohere2 | Family::DeepseekV2
+                Family::Olmo1
+                    | Family::Cohere
+                    | Family::Cohere2
+                    | Family::DeepseekV2
+                    | Family::Llama4
             )
             || c.family.ernie(),
+        l2_norm: c.llama4.as_ref().is_some_and(|a| a.qk_l2_norm),
+        temperature: c.llama4.as_ref().is_some_and(|a| a.temperature.is_some()),
         clipped: c.clip_qkv.is_some(),
         parallel: c.parallel,
         eager: (c.attn_softcap.is_some() || c.family == Family::GptOss).then_some(Eager {
@@ -116,6 +123,7 @@ pub fn held_for_backward(
     let mut live = full;
     let mut held = 0;
     let mut mask = 0;
+    let mut chunks = 0;
     for layer in 0..c.layers.max(0) {
         let ranks = match lora {
             Some(l) => Ranks::of(l, layer, c),
@@ -123,10 +131,11 @@ pub fn held_for_backward(
         };
         let trains = full || ranks.any();
         let mixture = experts.as_ref().filter(|_| c.moe_layer(layer));
-        let (per_token, per_position, per_forward, out_live) = w.layer(live, full, &ranks, mixture);
-        // SmolLM3's layers without rotary embeddings keep no cos and sin.
+        // SmolLM3's and Llama 4's layers without rotary embeddings keep
+        // no cos and sin.
         let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(layer as usize) == Some(&true));
-        let per_position = turns as u64 * per_position;
+        let (per_token, per_position, per_forward, out_live) =
+            w.layer((live, full), &ranks, mixture, turns);
         // A window shorter than the row is a mask of a row's scores in
         // the compute dtype, one for every layer of the forward (the
         // soft-capped scores' is each layer's own, counted with them).
@@ -134,6 +143,15 @@ pub fn held_for_backward(
             w.eager.is_none() && c.window(layer).is_some_and(|w| (w.max(0) as u64) < seq);
         if windowed && !recompute && attended_in(live, full, &ranks) {
             mask = seq * seq * b;
+        }
+        // Llama 4's chunks, shorter than the row: one mask too, its
+        // chunked layers'.
+        let chunked = (c.llama4.as_ref())
+            .filter(|a| a.chunked.get(layer as usize) == Some(&true))
+            .and_then(|a| a.chunk)
+            .is_some_and(|size| (size.max(0) as u64) < seq);
+        if chunked && !recompute && attended_in(live, full, &ranks) {
+            chunks = seq * seq * b;
         }
         held += match recompute {
             // The layer's input, its one saved tensor, and the generator
@@ -169,7 +187,7 @@ pub fn held_for_backward(
     // Gemma 2's cap on the logits keeps its tanh, every position's.
     let capped = (logits_live && c.final_softcap.is_some()) as u64 * tokens * b * dims(c.vocab);
     let loss = loss + capped;
-    Some(held + mask + tokens * head + final_norm + scale + loss)
+    Some(held + mask + chunks + tokens * head + final_norm + scale + loss)
 }
 
 /// The parameters `lora`'s adapters on the model `c` hold (`r` x (in +
@@ -216,7 +234,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3 and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4 and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -317,8 +335,9 @@ fn counted(c: &LlamaConfig) -> bool {
             (c.mla.as_ref()).is_some_and(|m| m.v <= m.nope + m.rope)
         }
         // Command R+'s and StableLM 2 12B's norms of each head,
-        // Persimmon's LayerNorms of each head.
-        Family::Cohere | Family::StableLm | Family::Persimmon => true,
+        // Persimmon's LayerNorms of each head; Llama 4's L2 norms,
+        // chunks and queries grown with their position.
+        Family::Cohere | Family::StableLm | Family::Persimmon | Family::Llama4 => true,
         _ => false,
     }
 }
@@ -340,9 +359,10 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
 /// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
 /// GLM-4-MoE's, dots.llm1's and DeepSeek-V2's and V3's; Qwen2-MoE's
-/// beside its gated shared expert): each token's top `k` of `count`
-/// experts by the router's scores (renormalised when `normalize`), each
-/// expert a gated MLP `width` wide run on the tokens that chose it.
+/// beside its gated shared expert, Llama 4's beside an ungated one):
+/// each token's top `k` of `count` experts by the router's scores
+/// (renormalised when `normalize`), each expert a gated MLP `width`
+/// wide run on the tokens that chose it.
 struct Experts {
     count: u64,
     k: u64,
@@ -357,14 +377,18 @@ struct Experts {
     /// fp32, each expert scored by a sigmoid (or a softmax), the choice
     /// within the best groups (or of every expert), the weights in fp32.
     grouped: bool,
+    /// Llama 4's router: the top `k` logits, each weighted by its
+    /// sigmoid in fp32, scaling the expert's input, not its output.
+    sigmoid: bool,
 }
 
 impl Experts {
     /// `m`'s experts, where this module counts them: a plain softmax
-    /// router (ERNIE 4.5's corrected choice too) or the grouped one of
-    /// GLM-4-MoE, dots.llm1 and DeepSeek-V2 and V3, no shared expert but
-    /// Qwen2-MoE's, ERNIE 4.5's, Hunyuan's and the grouped ones', no
-    /// jitter, no balancing loss.
+    /// router (ERNIE 4.5's corrected choice too), Llama 4's sigmoid of
+    /// the top `k`, or the grouped one of GLM-4-MoE, dots.llm1 and
+    /// DeepSeek-V2 and V3, no shared expert but Qwen2-MoE's, ERNIE 4.5's,
+    /// Hunyuan's, Llama 4's and the grouped ones', no jitter, no
+    /// balancing loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
@@ -381,7 +405,7 @@ impl Experts {
         let plain = (routed
             || matches!(
                 c.family,
-                Family::Qwen2Moe | Family::Ernie4_5Moe | Family::HunyuanMoe
+                Family::Qwen2Moe | Family::Ernie4_5Moe | Family::HunyuanMoe | Family::Llama4
             ))
             && m.grouped.is_none();
         let grouped = matches!(
@@ -400,6 +424,7 @@ impl Experts {
             normalize: m.normalize,
             shared: m.shared.map(|w| (dims(w), c.family == Family::Qwen2Moe)),
             grouped,
+            sigmoid: c.family == Family::Llama4,
         })
     }
 
@@ -416,6 +441,7 @@ impl Experts {
             normalize,
             shared,
             grouped,
+            sigmoid,
         } = *self;
         // The grouped router computes in fp32: its input, and its
         // weights per row.
@@ -424,8 +450,8 @@ impl Experts {
             false => (b, b),
         };
         // A training router keeps its input; each expert's first two
-        // matrices their rows of it, gathered; the down projection its
-        // input.
+        // matrices their rows of it, gathered (Llama 4's scaled by their
+        // weights); the down projection its input.
         let mut kept = full as u64 * (input * h + k * b * h + k * b * width);
         let mut per_forward = 0;
         if live {
@@ -438,14 +464,18 @@ impl Experts {
                 true => 4 * k + 4,
                 false => 4 * k + 8,
             };
-            kept += 4 * count + 8 * k + normalize as u64 * renormalised;
+            kept += 8 * k + normalize as u64 * renormalised;
+            // Llama 4's sigmoid of the top k alone, the others' scores
+            // of every expert.
+            kept += 4 * if sigmoid { k } else { count };
             // Each expert's tokens and slots (int64 pairs), by which its
             // rows are gathered, weighed and added back.
             kept += 16 * k;
-            // The weight of each row and the row's output, each kept
-            // for the other's gradient; the gate and up, from which
-            // backward computes the activation again (`glu`: GPT-OSS's
-            // clamped one from its biased gate and up, one tensor).
+            // The weight of each row and the row's output (Llama 4's:
+            // its input), each kept for the other's gradient; the gate
+            // and up, from which backward computes the activation again
+            // (`glu`: GPT-OSS's clamped one from its biased gate and up,
+            // one tensor).
             kept += k * weight + k * b * h + 2 * k * b * width;
             // The grouped router's weight cast to fp32, each forward.
             if grouped && b != 4 {
@@ -480,11 +510,12 @@ fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) ->
         block,
         routers,
         experts,
-        shared,
+        shared: (shared, shared_names),
     } = MoeModules::of(c.family);
     let at = |module: String| l.targets(&format!("model.layers.{layer}.{block}.{module}"));
     let shared = m.shared.is_some()
-        && (at("shared_expert_gate".into()) || experts.iter().any(|n| at(format!("{shared}.{n}"))));
+        && (at("shared_expert_gate".into())
+            || shared_names.iter().any(|n| at(format!("{shared}.{n}"))));
     routers.iter().any(|r| at(r.to_string()))
         || shared
         || (0..m.experts).any(|e| experts.iter().any(|n| at(format!("experts.{e}.{n}"))))
@@ -496,32 +527,40 @@ struct MoeModules {
     block: &'static str,
     /// The router's linear layers.
     routers: &'static [&'static str],
-    /// Each expert's matrices (`experts.E.{name}`), and the shared
-    /// expert's (`{shared}.{name}`); none where the experts are stacked
-    /// parameters, which take adapters through `target_parameters`
-    /// alone (refused by `adapters_alone`).
+    /// Each expert's matrices (`experts.E.{name}`); none where the
+    /// experts are stacked parameters, which take adapters through
+    /// `target_parameters` alone (refused by `adapters_alone`).
     experts: &'static [&'static str],
-    shared: &'static str,
+    /// The shared expert's module and its matrices (`{module}.{name}`).
+    shared: (&'static str, &'static [&'static str]),
 }
 
 impl MoeModules {
     /// Those of `family`.
     fn of(family: Family) -> Self {
         const GATED: &[&str] = &["gate_proj", "up_proj", "down_proj"];
+        const NONE: (&str, &[&str]) = ("", &[]);
         let (block, routers, experts, shared) = match family {
             // GPT-OSS's router is no linear layer (it takes no adapter).
-            Family::GptOss => ("mlp", &[][..], &[][..], ""),
-            Family::GraniteMoe => ("block_sparse_moe", &["router.layer"][..], &[][..], ""),
+            Family::GptOss => ("mlp", &[][..], &[][..], NONE),
+            // Llama 4's router takes none either (`bare`).
+            Family::Llama4 => ("feed_forward", &[][..], &[][..], ("shared_expert", GATED)),
+            Family::GraniteMoe => ("block_sparse_moe", &["router.layer"][..], &[][..], NONE),
             Family::Mixtral => (
                 "block_sparse_moe",
                 &["gate"][..],
                 &["w1", "w3", "w2"][..],
-                "",
+                NONE,
             ),
-            Family::Qwen2Moe => ("mlp", &["gate"][..], GATED, "shared_expert"),
+            Family::Qwen2Moe => ("mlp", &["gate"][..], GATED, ("shared_expert", GATED)),
             // Hunyuan's router is `gate.wg`.
-            Family::HunyuanMoe => ("mlp", &["gate", "gate.wg"][..], GATED, "shared_mlp"),
-            _ => ("mlp", &["gate"][..], GATED, "shared_experts"),
+            Family::HunyuanMoe => (
+                "mlp",
+                &["gate", "gate.wg"][..],
+                GATED,
+                ("shared_mlp", GATED),
+            ),
+            _ => ("mlp", &["gate"][..], GATED, ("shared_experts", GATED)),
         };
         Self {
             block,
@@ -590,16 +629,30 @@ impl Ranks {
             }
         };
         // StarCoder2's MLP under GPT-2's names, Persimmon's layer under
-        // GPT-NeoX's.
-        let (qkv, o, up, down) = match c.family {
-            Family::Starcoder2 => ("qkv_proj", "o_proj", "mlp.c_fc", "mlp.c_proj"),
+        // GPT-NeoX's, Llama 4's MLP under `feed_forward`.
+        let (qkv, o, gate, up, down) = match c.family {
+            Family::Starcoder2 => ("qkv_proj", "o_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Persimmon => (
                 "query_key_value",
                 "dense",
+                "",
                 "mlp.dense_h_to_4h",
                 "mlp.dense_4h_to_h",
             ),
-            _ => ("qkv_proj", "o_proj", "mlp.up_proj", "mlp.down_proj"),
+            Family::Llama4 => (
+                "qkv_proj",
+                "o_proj",
+                "feed_forward.gate_proj",
+                "feed_forward.up_proj",
+                "feed_forward.down_proj",
+            ),
+            _ => (
+                "qkv_proj",
+                "o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            ),
         };
         let (fused_qkv, fused_gate_up) = fused(c);
         let mut r = Self {
@@ -634,7 +687,7 @@ impl Ranks {
         }
         match (fused_gate_up, gated(c)) {
             (true, _) => r.gate_up = rank("mlp.gate_up_proj"),
-            (false, true) => (r.gate, r.up) = (rank("mlp.gate_proj"), rank(up)),
+            (false, true) => (r.gate, r.up) = (rank(gate), rank(up)),
             (false, false) => r.up = rank(up),
         }
         r
@@ -745,6 +798,12 @@ struct Widths {
     /// Heads turned in fp32 (OLMo's halves, ERNIE 4.5's neighbouring
     /// pairs): the cosines and sines they keep are fp32.
     fp32_rope: bool,
+    /// Llama 4's queries and keys L2-normalised in fp32 after they turn,
+    /// in the layers that turn them (`use_qk_norm`).
+    l2_norm: bool,
+    /// Llama 4's queries grown with their position in the layers that
+    /// do not turn them (`attn_temperature_tuning`).
+    temperature: bool,
     /// Queries, keys and values clamped (OLMo 1's `clip_qkv`): the
     /// clamp keeps its input.
     clipped: bool,
@@ -926,8 +985,15 @@ impl Widths {
     /// position and once a forward, and whether the attention's output
     /// needs a gradient; `normed`: whether the input does, `full`:
     /// whether the base trains, `r`: the layer's adapters, `o_kept`:
-    /// whether the output projection keeps the attention's output.
-    fn heads(&self, normed: bool, full: bool, r: &Ranks, o_kept: bool) -> (u64, u64, u64, bool) {
+    /// whether the output projection keeps the attention's output,
+    /// `turns`: whether the layer turns its heads.
+    fn heads(
+        &self,
+        (normed, full): (bool, bool),
+        r: &Ranks,
+        o_kept: bool,
+        turns: bool,
+    ) -> (u64, u64, u64, bool) {
         let Self {
             b,
             q,
@@ -939,6 +1005,8 @@ impl Widths {
             qk_norm,
             fp32_rope,
             clipped,
+            l2_norm,
+            temperature,
             ..
         } = *self;
         let (mut per_token, mut per_forward) = (0, 0);
@@ -970,8 +1038,19 @@ impl Widths {
         }
         // Each of queries and keys multiplies cos and sin (OLMo's and
         // ERNIE's in fp32), which it keeps when it needs a gradient.
+        // Llama 4's layers that do not turn multiply their queries by
+        // one fp32 factor a position instead, kept alike.
         let turned = if fp32_rope { 4 } else { b };
-        let per_position = 2 * turned * rd * (q_live as u64 + k_live as u64);
+        let per_position = match turns {
+            true => 2 * turned * rd * (q_live as u64 + k_live as u64),
+            false => temperature as u64 * 4 * q_live as u64,
+        };
+        // Llama 4's L2 norm of each turned head, without weights: its
+        // input in fp32 and a reciprocal a head, where a gradient flows
+        // through it.
+        if l2_norm && turns {
+            per_token += 4 * (q_live as u64 * (q + heads) + k_live as u64 * (kv + kv_heads));
+        }
         let attended = q_live || k_live || v_live;
         let (token, forward) = self.attention((q_live, k_live, v_live), o_kept);
         per_token += token;
@@ -990,7 +1069,7 @@ impl Widths {
         m: &Latent,
         (normed, full): (bool, bool),
         r: &Ranks,
-        o_kept: bool,
+        (o_kept, turns): (bool, bool),
     ) -> (u64, u64, u64, bool) {
         let Self { b, heads, .. } = *self;
         let mut per_token = 0;
@@ -1020,6 +1099,7 @@ impl Widths {
         // sin, which they keep when they need a gradient.
         let turned = if self.fp32_rope { 4 } else { b };
         let per_position = 2 * turned * m.rope * (q_live as u64 + latent_live as u64);
+        let per_position = turns as u64 * per_position;
         let attended = q_live || kv_live;
         let qk = heads * (m.nope + m.rope);
         // The values as the kernel takes them: padded to the queries'
@@ -1044,16 +1124,17 @@ impl Widths {
     /// embedding's cos and sin, shared by the rows) and once, and
     /// whether its output needs a gradient; `live`: whether its input
     /// does, `full`: whether its base trains, `r`: its adapters,
-    /// `experts`: its mixture of experts in place of the MLP. An adapter
+    /// `experts`: its mixture of experts in place of the MLP, `turns`:
+    /// whether it turns its heads. An adapter
     /// keeps its input (shared by the layers reading one tensor; under
     /// LoRA's dropout its own dropped copy, [`Widths::dropped`]) and its
     /// `A`'s output.
     fn layer(
         &self,
-        live: bool,
-        full: bool,
+        (live, full): (bool, bool),
         r: &Ranks,
         experts: Option<&Experts>,
+        turns: bool,
     ) -> (u64, u64, u64, bool) {
         let Self {
             b,
@@ -1086,8 +1167,8 @@ impl Widths {
         // weight trains or its adapter reads it as it is.
         let o_kept = self.shares(full, &[r.o]);
         let (token, per_position, forward, attended) = match &self.latent {
-            Some(m) => self.latent(m, (normed, full), r, o_kept),
-            None => self.heads(normed, full, r, o_kept),
+            Some(m) => self.latent(m, (normed, full), r, (o_kept, turns)),
+            None => self.heads((normed, full), r, o_kept, turns),
         };
         per_token += token;
         per_forward += forward;

@@ -1311,6 +1311,21 @@ impl HfJson {
         }
     }
 
+    /// Field `key` as Python's `if` reads it, where a class only tests
+    /// it: true or false, a number (not 0), or null (false); `default`
+    /// where absent. Llama 4's published configs give
+    /// `"attn_temperature_tuning": 4`.
+    pub(crate) fn truthy_or(&self, key: &str, default: bool) -> Result<bool, HfError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(serde_json::Value::Null) => Ok(false),
+            Some(serde_json::Value::Number(n)) => Ok(n.as_f64() != Some(0.0)),
+            Some(v) => v.as_bool().ok_or_else(|| {
+                self.field(format!("`{key}` is {v}, not true or false (or a number)"))
+            }),
+        }
+    }
+
     /// Refuses field `key` unless absent or `want` (a string).
     pub(crate) fn only(&self, key: &str, want: &str, why: &str) -> Result<(), HfError> {
         match self.get(key) {

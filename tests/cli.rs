@@ -1413,15 +1413,16 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "stage 3 in all: 22.47 GiB a rank",
         ],
     );
-    // Llama 4 Scout's language model (its text config's widths, 16
-    // experts a layer, top 1, beside a shared expert): at 16384 tokens
+    // Llama 4 Scout's language model (its published text config, its
+    // temperature tuning given as 4; 16 experts a layer, top 1, beside
+    // a shared expert): at 16384 tokens
     // its 36 chunked layers attend within chunks of 8192 through one
     // mask of scores (each layer's own kept 17.5 GiB more, until
     // 2026-12-07); the other 12 grow their queries with the position.
     let scout = hf_config(
         &dir,
         "llama4-scout",
-        r#"{"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "attention_bias": false, "attention_chunk_size": 8192, "attention_dropout": 0.0, "attn_scale": 0.1, "attn_temperature_tuning": true, "floor_scale": 8192, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "max_position_embeddings": 10485760, "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": false, "pad_token_id": 200018, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0, "router_jitter_noise": 0.0, "tie_word_embeddings": false, "use_qk_norm": true, "vocab_size": 202048}"#,
+        r#"{"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "attention_bias": false, "attention_chunk_size": 8192, "attention_dropout": 0.0, "attn_scale": 0.1, "attn_temperature_tuning": 4, "floor_scale": 8192, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "max_position_embeddings": 262144, "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": false, "pad_token_id": 200018, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0, "router_jitter_noise": 0.0, "tie_word_embeddings": false, "use_qk_norm": true, "vocab_size": 202048}"#,
     );
     estimate_says(
         &scout,

@@ -3136,7 +3136,8 @@ fn llama4_attention(j: &HfJson) -> Result<Llama4Attention, HfError> {
                 ))
             })?,
     };
-    let temperature = match j.flag_or("attn_temperature_tuning", true)? {
+    // Its class only tests it (`if self.attn_temperature_tuning`).
+    let temperature = match j.truthy_or("attn_temperature_tuning", true)? {
         true => Some((
             j.number_or("floor_scale", 8192.0)?,
             j.number_or("attn_scale", 0.1)?,

@@ -3054,6 +3054,22 @@ fn llama4_configs_are_read_and_counted() {
         (turns.len(), turns[1], turns[2], turns[47]),
         (48, true, false, false)
     );
+    // The published configs' `"attn_temperature_tuning": 4`, which the
+    // class only tests (until 2026-12-07 refused as no flag); 0 is off.
+    let tuned = |v: &str| {
+        dir.read(&scout.replace(
+            r#""num_attention_heads": 40"#,
+            &format!(r#""num_attention_heads": 40, "attn_temperature_tuning": {v}"#),
+        ))
+        .map(|c| c.llama4.and_then(|a| a.temperature))
+    };
+    assert_eq!(tuned("4").unwrap(), Some((8192.0, 0.1)));
+    assert_eq!(tuned("0").unwrap(), None);
+    let said = tuned(r#""yes""#).unwrap_err().to_string();
+    assert!(
+        said.contains(r#"`attn_temperature_tuning` is "yes""#),
+        "{said}"
+    );
     dir.round_trips([c, maverick, empty, longer]);
     dir.refuses(
         &scout.replace(

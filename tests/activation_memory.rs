@@ -173,7 +173,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// with L2-normalised heads around one without positions whose queries
 /// grow with the position, its top-1 expert beside a shared one between
 /// dense MLPs of their own width, and with neither norms nor growth nor
-/// chunks, two experts a token on every layer.
+/// chunks, two experts a token on every layer; and Apertus's xIELU, its
+/// trained factors and its norms of each head's queries and keys.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -324,6 +325,7 @@ const COUNTED: &[(&str, &str)] = &[
         "llama4_text",
         r#", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 112, "interleave_moe_layer_step": 2, "attention_chunk_size": 16, "no_rope_layers": [1, 0, 1], "floor_scale": 4, "pad_token_id": 96"#,
     ),
+    ("apertus", r#", "head_dim": 16, "pad_token_id": 96"#),
     (
         "llama4_text",
         r#", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "interleave_moe_layer_step": 1, "use_qk_norm": false, "attn_temperature_tuning": false, "no_rope_layers": [0, 1, 1], "pad_token_id": 96"#,
@@ -398,7 +400,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     ];
     // The same targets under a family's own names: Phi-3's fused
     // projections, Mixtral's experts' matrices, GLM's fused gate and up,
-    // StarCoder2's GPT-2 names; Arcee and Nemotron have no gate.
+    // StarCoder2's GPT-2 names; Arcee, Nemotron and Apertus have no gate.
     let renamed = |renames: &[(&[&str], &str)]| -> Vec<zrt::lora::LoraConfig> {
         let rename = |l: &zrt::lora::LoraConfig| {
             let mut l = l.clone();
@@ -505,7 +507,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         let cases = match model_type {
             "phi3" => &phi3_cases[..],
             "mixtral" => &mixtral_cases[..],
-            "arcee" | "nemotron" => &arcee_cases[..],
+            "arcee" | "nemotron" | "apertus" => &arcee_cases[..],
             "persimmon" => &persimmon_cases[..],
             "gpt_oss" => &gpt_oss_cases[..],
             "qwen2_moe" => &qwen2_moe_cases[..],
@@ -626,12 +628,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     // wider than its queries and keys take the attention that keeps
     // every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
-    for (t, extra) in [
-        ("apertus", ""),
-        ("falcon", ""),
-        ("jamba", ""),
-        ("deepseek_v3", wide_values),
-    ] {
+    for (t, extra) in [("falcon", ""), ("jamba", ""), ("deepseek_v3", wide_values)] {
         assert_eq!(
             held_for_backward(&c(t, extra), rows_seq, Kind::Float, false, None),
             None,

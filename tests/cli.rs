@@ -1429,6 +1429,19 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         &["--world", "8", "--seq", "16384", "--dtype", "bf16"],
         &["a forward of 1 x 16384 tokens in bf16 holds 187.17 GiB a rank"],
     );
+    // Apertus's class defaults (8B's width, an MLP 14336 wide): its
+    // xIELU keeps its input alone, computed again in backward (its
+    // intermediate values kept 34.79 GiB in all, until 2026-12-07).
+    let apertus = hf_config(
+        &dir,
+        "apertus",
+        r#"{"model_type": "apertus", "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}"#,
+    );
+    estimate_says(
+        &apertus,
+        &["--world", "2", "--seq", "4096", "--dtype", "bf16"],
+        &["a forward of 1 x 4096 tokens in bf16 holds 22.54 GiB a rank"],
+    );
     // Gemma 2 2B's: its soft-capped scores computed a block of queries
     // at a time and again in backward (one by one they kept 1.63 GiB
     // more), and the capped logits' tanh (0.49 GiB) beside the capped

@@ -9,7 +9,8 @@
 //! experts, GPT-OSS's clamped ones and Llama 4's scaling their input;
 //! Gemma 2's soft-capped attention and GPT-OSS's beside its sinks;
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
-//! and queries grown with their position), the whole model training or
+//! and queries grown with their position; Apertus's xIELU), the whole
+//! model training or
 //! LoRA's adapters on a frozen base; and those adapters' parameters.
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
 //! to what libtorch allocates, to the byte.
@@ -24,7 +25,7 @@
 
 use tch::Kind;
 
-use super::config::{LlamaConfig, Mla, MoeConfig};
+use super::config::{Activation, LlamaConfig, Mla, MoeConfig};
 use super::family::Family;
 use crate::lora::LoraConfig;
 
@@ -94,6 +95,7 @@ pub fn held_for_backward(
         // each is a copy.
         views: c.family == Family::Phi3,
         gated: gated(c),
+        xielu: c.activation == Activation::Xielu,
         fp32_rope: c.family.olmo()
             || matches!(
                 c.family,
@@ -234,7 +236,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4 and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -254,12 +256,13 @@ fn fused(c: &LlamaConfig) -> (bool, bool) {
 }
 
 /// Whether `c`'s MLP is gated (`down(act(gate(x)) * up(x))`): all but
-/// Arcee's, Nemotron's and Persimmon's `down(relu2(up(x)))` and
-/// StarCoder2's `c_proj(gelu(c_fc(x)))`.
+/// Arcee's, Nemotron's and Persimmon's `down(relu2(up(x)))`,
+/// StarCoder2's `c_proj(gelu(c_fc(x)))` and Apertus's
+/// `down(xielu(up(x)))`.
 fn gated(c: &LlamaConfig) -> bool {
     !matches!(
         c.family,
-        Family::Arcee | Family::Starcoder2 | Family::Nemotron | Family::Persimmon
+        Family::Arcee | Family::Starcoder2 | Family::Nemotron | Family::Persimmon | Family::Apertus
     )
 }
 
@@ -325,7 +328,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Exaone4
         | Family::HunyuanDense
         | Family::HunyuanMoe
-        | Family::Dots1 => c.qk_norm,
+        | Family::Dots1
+        | Family::Apertus => c.qk_norm,
         // GLM-4-MoE's norms of each head's queries and keys, or none.
         Family::Glm4Moe => true,
         // DeepSeek-V3's latent attention, whose values are no wider than
@@ -819,6 +823,8 @@ struct Widths {
     latent: Option<Latent>,
     /// LoRA's dropout of each adapter's input (`lora_dropout` > 0).
     dropout: bool,
+    /// Apertus's xIELU in place of the ungated MLP's activation.
+    xielu: bool,
 }
 
 /// The widths of DeepSeek-V3's latent attention ([`Mla`]).
@@ -1222,9 +1228,12 @@ impl Widths {
                     }
                     // Arcee's ReLU keeps its output, which the square
                     // reads (the same tensor); StarCoder2's GELU its
-                    // input.
+                    // input; Apertus's xIELU its input too, computed
+                    // again in backward (`xielu`), and its two factors
+                    // cast to the compute dtype, once a forward.
                     false => {
                         per_token += b * i * up_live as u64;
+                        per_forward += (self.xielu && up_live) as u64 * 2 * b;
                         up_live
                     }
                 };

@@ -173,8 +173,12 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// with L2-normalised heads around one without positions whose queries
 /// grow with the position, its top-1 expert beside a shared one between
 /// dense MLPs of their own width, and with neither norms nor growth nor
-/// chunks, two experts a token on every layer; and Apertus's xIELU, its
-/// trained factors and its norms of each head's queries and keys.
+/// chunks, two experts a token on every layer; Apertus's xIELU, its
+/// trained factors and its norms of each head's queries and keys;
+/// VaultGemma's (Gemma 2's soft-capped attention in a window shorter
+/// than the row, without norms of each sublayer's output); and
+/// Granite-MoE-shared's experts beside its shared MLP, whose gate and up
+/// are one matrix.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -327,6 +331,14 @@ const COUNTED: &[(&str, &str)] = &[
     ),
     ("apertus", r#", "head_dim": 16, "pad_token_id": 96"#),
     (
+        "vaultgemma",
+        r#", "head_dim": 24, "sliding_window": 16, "query_pre_attn_scalar": 24"#,
+    ),
+    (
+        "granitemoeshared",
+        r#", "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 80, "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.03, "logits_scaling": 8.0"#,
+    ),
+    (
         "llama4_text",
         r#", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "interleave_moe_layer_step": 1, "use_qk_norm": false, "attn_temperature_tuning": false, "no_rope_layers": [0, 1, 1], "pad_token_id": 96"#,
     ),
@@ -446,12 +458,38 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     let granite_moe_cases: Vec<_> = (gpt_oss_cases.iter().cloned())
         .chain([lora(&["layer"])])
         .collect();
+    // A shared expert's first matrix alone, by a pattern of its whole
+    // name, where each family has it (which no routed expert's
+    // matches), beside the queries.
+    let on_shared = zrt::lora::LoraConfig {
+        target_pattern: Some(
+            [
+                r".*\.mlp\.(shared_experts?|shared_mlp)\.gate_proj",
+                r".*\.feed_forward\.shared_expert\.gate_proj",
+                r".*\.layers\.\d+\.shared_mlp\.input_linear",
+            ]
+            .join("|"),
+        ),
+        ..lora(&["q_proj"])
+    };
+    let moe_shared_cases: Vec<_> = (cases.iter().cloned()).chain([on_shared.clone()]).collect();
     // Qwen2-MoE's shared expert's gate alone, not counted either.
-    let qwen2_moe_cases: Vec<_> = (cases.iter().cloned())
+    let qwen2_moe_cases: Vec<_> = (moe_shared_cases.iter().cloned())
         .chain([lora(&["shared_expert_gate"])])
         .collect();
+    // Granite-MoE-shared's shared MLP (`shared_mlp.input_linear`,
+    // `output_linear`), not counted either.
+    let granite_shared_cases: Vec<_> = (granite_moe_cases.iter().cloned())
+        .chain([
+            lora(&["input_linear"]),
+            lora(&["output_linear"]),
+            on_shared.clone(),
+        ])
+        .collect();
     // Hunyuan's router (`gate.wg`) alone.
-    let hunyuan_moe_cases: Vec<_> = (cases.iter().cloned()).chain([lora(&["wg"])]).collect();
+    let hunyuan_moe_cases: Vec<_> = (moe_shared_cases.iter().cloned())
+        .chain([lora(&["wg"])])
+        .collect();
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -475,6 +513,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             lora(&["q_a_proj", "kv_a_proj_with_mqa"]),
             dense_first(&["q_a_proj", "gate_proj", "down_proj"]),
             dropped(0.1, &lora(&["q_b_proj", "kv_b_proj", "o_proj"])),
+            on_shared.clone(),
         ])
         .collect();
     let one_q_cases: Vec<_> = (renamed(&[(&["v_proj"], "kv_a_proj_with_mqa")]))
@@ -483,6 +522,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             lora(&["kv_b_proj"]),
             dense_first(&["up_proj", "q_proj"]),
             dropped(0.1, &lora(&["kv_b_proj", "q_proj"])),
+            on_shared.clone(),
         ])
         .collect();
     // Llama 4's MLP targets in its dense layers alone (in a layer of
@@ -500,6 +540,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                 0.1,
                 &on_layers(&[0, 2], &["k_proj", "gate_proj", "down_proj"]),
             ),
+            on_shared.clone(),
         ])
         .collect();
     for &(model_type, extra) in COUNTED {
@@ -512,6 +553,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "gpt_oss" => &gpt_oss_cases[..],
             "qwen2_moe" => &qwen2_moe_cases[..],
             "granitemoe" => &granite_moe_cases[..],
+            "granitemoeshared" => &granite_shared_cases[..],
             "hunyuan_v1_moe" => &hunyuan_moe_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
@@ -520,6 +562,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             }
             "deepseek_v3" | "deepseek_v2" => &latent_cases[..],
             "llama4_text" => &llama4_cases[..],
+            "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };
         for lora in cases {

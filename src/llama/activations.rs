@@ -236,7 +236,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE, Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -311,11 +311,13 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Granite
         | Family::Gemma
         | Family::Gemma2
+        | Family::VaultGemma
         | Family::Phi3
         | Family::SmolLm3
         | Family::Mixtral
         | Family::Qwen2Moe
         | Family::GraniteMoe
+        | Family::GraniteMoeShared
         | Family::Ernie4_5Moe
         | Family::GptOss => !c.qk_norm,
         Family::Qwen3
@@ -363,7 +365,9 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
 /// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
 /// GLM-4-MoE's, dots.llm1's and DeepSeek-V2's and V3's; Qwen2-MoE's
-/// beside its gated shared expert, Llama 4's beside an ungated one):
+/// beside its gated shared expert, Llama 4's beside an ungated one,
+/// Granite-MoE-shared's beside a shared MLP whose gate and up are one
+/// matrix):
 /// each token's top `k` of `count` experts by the router's scores
 /// (renormalised when `normalize`), each expert a gated MLP `width`
 /// wide run on the tokens that chose it.
@@ -391,8 +395,8 @@ impl Experts {
     /// router (ERNIE 4.5's corrected choice too), Llama 4's sigmoid of
     /// the top `k`, or the grouped one of GLM-4-MoE, dots.llm1 and
     /// DeepSeek-V2 and V3, no shared expert but Qwen2-MoE's, ERNIE 4.5's,
-    /// Hunyuan's, Llama 4's and the grouped ones', no jitter, no
-    /// balancing loss.
+    /// Hunyuan's, Llama 4's, Granite-MoE-shared's and the grouped ones',
+    /// no jitter, no balancing loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
@@ -409,7 +413,11 @@ impl Experts {
         let plain = (routed
             || matches!(
                 c.family,
-                Family::Qwen2Moe | Family::Ernie4_5Moe | Family::HunyuanMoe | Family::Llama4
+                Family::Qwen2Moe
+                    | Family::Ernie4_5Moe
+                    | Family::HunyuanMoe
+                    | Family::Llama4
+                    | Family::GraniteMoeShared
             ))
             && m.grouped.is_none();
         let grouped = matches!(
@@ -516,10 +524,13 @@ fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) ->
         experts,
         shared: (shared, shared_names),
     } = MoeModules::of(c.family);
-    let at = |module: String| l.targets(&format!("model.layers.{layer}.{block}.{module}"));
+    let in_layer = |module: String| l.targets(&format!("model.layers.{layer}.{module}"));
+    let at = |module: String| in_layer(format!("{block}.{module}"));
     let shared = m.shared.is_some()
         && (at("shared_expert_gate".into())
-            || shared_names.iter().any(|n| at(format!("{shared}.{n}"))));
+            || shared_names
+                .iter()
+                .any(|n| in_layer(format!("{shared}.{n}"))));
     routers.iter().any(|r| at(r.to_string()))
         || shared
         || (0..m.experts).any(|e| experts.iter().any(|n| at(format!("experts.{e}.{n}"))))
@@ -535,7 +546,8 @@ struct MoeModules {
     /// experts are stacked parameters, which take adapters through
     /// `target_parameters` alone (refused by `adapters_alone`).
     experts: &'static [&'static str],
-    /// The shared expert's module and its matrices (`{module}.{name}`).
+    /// The shared expert's module, under the layer, and its matrices
+    /// (`{module}.{name}`).
     shared: (&'static str, &'static [&'static str]),
 }
 
@@ -548,23 +560,35 @@ impl MoeModules {
             // GPT-OSS's router is no linear layer (it takes no adapter).
             Family::GptOss => ("mlp", &[][..], &[][..], NONE),
             // Llama 4's router takes none either (`bare`).
-            Family::Llama4 => ("feed_forward", &[][..], &[][..], ("shared_expert", GATED)),
+            Family::Llama4 => (
+                "feed_forward",
+                &[][..],
+                &[][..],
+                ("feed_forward.shared_expert", GATED),
+            ),
             Family::GraniteMoe => ("block_sparse_moe", &["router.layer"][..], &[][..], NONE),
+            // Granite-MoE-shared's shared MLP is the layer's own.
+            Family::GraniteMoeShared => (
+                "block_sparse_moe",
+                &["router.layer"][..],
+                &[][..],
+                ("shared_mlp", &["input_linear", "output_linear"][..]),
+            ),
             Family::Mixtral => (
                 "block_sparse_moe",
                 &["gate"][..],
                 &["w1", "w3", "w2"][..],
                 NONE,
             ),
-            Family::Qwen2Moe => ("mlp", &["gate"][..], GATED, ("shared_expert", GATED)),
+            Family::Qwen2Moe => ("mlp", &["gate"][..], GATED, ("mlp.shared_expert", GATED)),
             // Hunyuan's router is `gate.wg`.
             Family::HunyuanMoe => (
                 "mlp",
                 &["gate", "gate.wg"][..],
                 GATED,
-                ("shared_mlp", GATED),
+                ("mlp.shared_mlp", GATED),
             ),
-            _ => ("mlp", &["gate"][..], GATED, ("shared_experts", GATED)),
+            _ => ("mlp", &["gate"][..], GATED, ("mlp.shared_experts", GATED)),
         };
         Self {
             block,
@@ -728,7 +752,7 @@ impl Norms {
     /// Those of `family`'s layers.
     fn of(family: Family) -> Self {
         match family {
-            Family::Gemma | Family::Gemma2 | Family::Gemma3 => Self::Offset,
+            Family::Gemma | Family::Gemma2 | Family::VaultGemma | Family::Gemma3 => Self::Offset,
             // Cohere's LayerNorm keeps the same: its centred input in
             // fp32 and a reciprocal, the normalized values in fp32.
             Family::Olmo2

@@ -178,7 +178,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// VaultGemma's (Gemma 2's soft-capped attention in a window shorter
 /// than the row, without norms of each sublayer's output); and
 /// Granite-MoE-shared's experts beside its shared MLP, whose gate and up
-/// are one matrix.
+/// are one matrix; LFM2's short convolutions (of 3 and of 4 tokens,
+/// biased, beside heads wider than the model) around a layer that
+/// attends with norms of each head's queries and keys.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -335,6 +337,14 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "head_dim": 24, "sliding_window": 16, "query_pre_attn_scalar": 24"#,
     ),
     (
+        "lfm2",
+        r#", "layer_types": ["conv", "full_attention", "conv"], "block_auto_adjust_ff_dim": false, "pad_token_id": 96"#,
+    ),
+    (
+        "lfm2",
+        r#", "layer_types": ["conv", "conv", "full_attention"], "conv_L_cache": 4, "conv_bias": true, "head_dim": 24, "pad_token_id": 96"#,
+    ),
+    (
         "granitemoeshared",
         r#", "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 80, "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.03, "logits_scaling": 8.0"#,
     ),
@@ -486,6 +496,21 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             on_shared.clone(),
         ])
         .collect();
+    // LFM2's layers under its own names, and its convolutions'
+    // projections.
+    let lfm2_cases: Vec<_> = (renamed(&[
+        (&["gate_proj"], "w1"),
+        (&["up_proj"], "w3"),
+        (&["down_proj"], "w2"),
+        (&["o_proj"], "out_proj"),
+    ]))
+    .into_iter()
+    .chain([
+        lora(&["in_proj"]),
+        lora(&["in_proj", "w2"]),
+        dropped(0.1, &lora(&["in_proj", "out_proj", "k_proj"])),
+    ])
+    .collect();
     // Hunyuan's router (`gate.wg`) alone.
     let hunyuan_moe_cases: Vec<_> = (moe_shared_cases.iter().cloned())
         .chain([lora(&["wg"])])
@@ -562,6 +587,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             }
             "deepseek_v3" | "deepseek_v2" => &latent_cases[..],
             "llama4_text" => &llama4_cases[..],
+            "lfm2" => &lfm2_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };

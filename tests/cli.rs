@@ -1442,6 +1442,23 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         &["--world", "2", "--seq", "4096", "--dtype", "bf16"],
         &["a forward of 1 x 4096 tokens in bf16 holds 22.54 GiB a rank"],
     );
+    // LFM2-1.2B's shape: ten short convolutions, each keeping its
+    // projection's three widths, their product, the convolution's output
+    // and the output projection's copy (6 b h a token), around six
+    // layers that attend.
+    let lfm2 = hf_config(
+        &dir,
+        "lfm2",
+        r#"{"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 2048, "intermediate_size": 12288, "block_ff_dim": 12288, "block_auto_adjust_ff_dim": true, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 65536, "conv_L_cache": 3, "conv_bias": false, "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv"], "max_position_embeddings": 128000, "norm_eps": 1e-05, "rope_theta": 1000000.0, "tie_embedding": true, "pad_token_id": 0}"#,
+    );
+    estimate_says(
+        &lfm2,
+        &["--world", "2", "--seq", "4096", "--dtype", "bf16"],
+        &[
+            "1170340608 params",
+            "a forward of 1 x 4096 tokens in bf16 holds 7.10 GiB a rank",
+        ],
+    );
     // Gemma 2 2B's: its soft-capped scores computed a block of queries
     // at a time and again in backward (one by one they kept 1.63 GiB
     // more), and the capped logits' tanh (0.49 GiB) beside the capped

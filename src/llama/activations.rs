@@ -9,7 +9,8 @@
 //! experts, GPT-OSS's clamped ones and Llama 4's scaling their input;
 //! Gemma 2's soft-capped attention and GPT-OSS's beside its sinks;
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
-//! and queries grown with their position; Apertus's xIELU), the whole
+//! and queries grown with their position; Apertus's xIELU; LFM2's short
+//! convolutions), the whole
 //! model training or
 //! LoRA's adapters on a frozen base; and those adapters' parameters.
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
@@ -96,6 +97,7 @@ pub fn held_for_backward(
         views: c.family == Family::Phi3,
         gated: gated(c),
         xielu: c.activation == Activation::Xielu,
+        rows,
         fp32_rope: c.family.olmo()
             || matches!(
                 c.family,
@@ -136,8 +138,10 @@ pub fn held_for_backward(
         // SmolLM3's and Llama 4's layers without rotary embeddings keep
         // no cos and sin.
         let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(layer as usize) == Some(&true));
+        // LFM2's convolution layers in place of attention.
+        let conv = (c.short_conv_layer(layer)).map(|s| dims(s.kernel));
         let (per_token, per_position, per_forward, out_live) =
-            w.layer((live, full), &ranks, mixture, turns);
+            w.layer((live, full), &ranks, mixture, (turns, conv));
         // A window shorter than the row is a mask of a row's scores in
         // the compute dtype, one for every layer of the forward (the
         // soft-capped scores' is each layer's own, counted with them).
@@ -216,8 +220,12 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
                 + r.kv_b * (m.kv_rank + heads * (m.nope + m.v))
         })
     };
-    let per_layer = |r: &Ranks| {
+    // LFM2's convolution layers: `in_proj` makes three widths of the
+    // input, `out_proj` reads one.
+    let per_layer = |r: &Ranks, conv: bool| {
+        let o = if conv { h } else { o };
         bottlenecks(r)
+            + r.conv_in * (h + 3 * h)
             + r.q * (h + q)
             + (r.k + r.v) * (h + kv)
             + r.qkv * (h + q + 2 * kv)
@@ -228,7 +236,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
     };
     Some(
         (0..c.layers.max(0))
-            .map(|l| per_layer(&Ranks::of(lora, l, c)))
+            .map(|l| per_layer(&Ranks::of(lora, l, c), c.short_conv_layer(l).is_some()))
             .sum(),
     )
 }
@@ -236,7 +244,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2 and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -331,7 +339,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::HunyuanDense
         | Family::HunyuanMoe
         | Family::Dots1
-        | Family::Apertus => c.qk_norm,
+        | Family::Apertus
+        | Family::Lfm2 => c.qk_norm,
         // GLM-4-MoE's norms of each head's queries and keys, or none.
         Family::Glm4Moe => true,
         // DeepSeek-V3's latent attention, whose values are no wider than
@@ -613,6 +622,8 @@ struct Ranks {
     q_b: u64,
     kv_a: u64,
     kv_b: u64,
+    /// LFM2's convolution's `in_proj`.
+    conv_in: u64,
     o: u64,
     gate: u64,
     up: u64,
@@ -632,8 +643,16 @@ impl Ranks {
     }
 
     /// Those adapters' ranks, one by one.
-    fn attention_ranks(&self) -> [u64; 6] {
-        [self.q, self.k, self.v, self.qkv, self.q_a, self.kv_a]
+    fn attention_ranks(&self) -> [u64; 7] {
+        [
+            self.q,
+            self.k,
+            self.v,
+            self.qkv,
+            self.q_a,
+            self.kv_a,
+            self.conv_in,
+        ]
     }
 
     /// The ranks of the adapters reading the MLP's input, one by one.
@@ -657,7 +676,8 @@ impl Ranks {
             }
         };
         // StarCoder2's MLP under GPT-2's names, Persimmon's layer under
-        // GPT-NeoX's, Llama 4's MLP under `feed_forward`.
+        // GPT-NeoX's, Llama 4's MLP under `feed_forward`, LFM2's too
+        // under Llama's original names.
         let (qkv, o, gate, up, down) = match c.family {
             Family::Starcoder2 => ("qkv_proj", "o_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Persimmon => (
@@ -674,6 +694,13 @@ impl Ranks {
                 "feed_forward.up_proj",
                 "feed_forward.down_proj",
             ),
+            Family::Lfm2 => (
+                "qkv_proj",
+                "out_proj",
+                "feed_forward.w1",
+                "feed_forward.w3",
+                "feed_forward.w2",
+            ),
             _ => (
                 "qkv_proj",
                 "o_proj",
@@ -689,6 +716,11 @@ impl Ranks {
             ..Self::default()
         };
         match fused_qkv {
+            // LFM2's convolution layers: `in_proj` reads the input,
+            // `out_proj` is the layer's output projection.
+            _ if c.short_conv_layer(layer).is_some() => {
+                (r.conv_in, r.o) = (rank("conv.in_proj"), rank("conv.out_proj"))
+            }
             _ if c.mla.is_some() => {
                 (r.q, r.q_a, r.q_b, r.kv_a, r.kv_b) = (
                     rank("self_attn.q_proj"),
@@ -849,6 +881,8 @@ struct Widths {
     dropout: bool,
     /// Apertus's xIELU in place of the ungated MLP's activation.
     xielu: bool,
+    /// The rows of the forward.
+    rows: u64,
 }
 
 /// The widths of DeepSeek-V3's latent attention ([`Mla`]).
@@ -1150,12 +1184,34 @@ impl Widths {
         (per_token, per_position, 0, attended)
     }
 
+    /// [`Widths::heads`] for LFM2's short convolution of `kernel` tokens:
+    /// `in_proj`'s `B`, `C` and `x` (views of its output, which `B x`
+    /// and `C` times the convolution's output keep whole), `B x` (the
+    /// convolution's input) and the convolution's output, `kernel - 1`
+    /// positions longer than each row, where a gradient flows through
+    /// them; and the output projection's input, a copy of the gated
+    /// output laid out by token.
+    fn conv(
+        &self,
+        kernel: u64,
+        (normed, full): (bool, bool),
+        r: &Ranks,
+        o_kept: bool,
+    ) -> (u64, u64, u64, bool) {
+        let Self { b, h, rows, .. } = *self;
+        let live = normed || full || r.conv_in > 0;
+        let per_token = live as u64 * 5 * b * h + o_kept as u64 * b * h;
+        let per_forward = live as u64 * rows * kernel.saturating_sub(1) * b * h;
+        (per_token, 0, per_forward, live)
+    }
+
     /// What a layer keeps per token, per position (the rotary
     /// embedding's cos and sin, shared by the rows) and once, and
     /// whether its output needs a gradient; `live`: whether its input
     /// does, `full`: whether its base trains, `r`: its adapters,
     /// `experts`: its mixture of experts in place of the MLP, `turns`:
-    /// whether it turns its heads. An adapter
+    /// whether it turns its heads, `conv`: LFM2's convolution's kernel
+    /// in place of attention. An adapter
     /// keeps its input (shared by the layers reading one tensor; under
     /// LoRA's dropout its own dropped copy, [`Widths::dropped`]) and its
     /// `A`'s output.
@@ -1164,7 +1220,7 @@ impl Widths {
         (live, full): (bool, bool),
         r: &Ranks,
         experts: Option<&Experts>,
-        turns: bool,
+        (turns, conv): (bool, Option<u64>),
     ) -> (u64, u64, u64, bool) {
         let Self {
             b,
@@ -1196,13 +1252,17 @@ impl Widths {
         // The output projection keeps the attention's output where its
         // weight trains or its adapter reads it as it is.
         let o_kept = self.shares(full, &[r.o]);
-        let (token, per_position, forward, attended) = match &self.latent {
-            Some(m) => self.latent(m, (normed, full), r, (o_kept, turns)),
-            None => self.heads((normed, full), r, o_kept, turns),
+        let (token, per_position, forward, attended) = match (&self.latent, conv) {
+            (_, Some(kernel)) => self.conv(kernel, (normed, full), r, o_kept),
+            (Some(m), None) => self.latent(m, (normed, full), r, (o_kept, turns)),
+            (None, None) => self.heads((normed, full), r, o_kept, turns),
         };
         per_token += token;
         per_forward += forward;
-        let o_width = self.latent.map_or(self.q, |m| self.heads * m.v);
+        let o_width = match conv {
+            Some(_) => self.h,
+            None => self.latent.map_or(self.q, |m| self.heads * m.v),
+        };
         per_token += b * r.o + self.dropped(o_width, &[r.o], attended);
         let o_live = attended || full || r.o > 0;
         // Gemma 3 normalises the attention's output before the residual.

@@ -71,7 +71,7 @@ pub(crate) struct Decoding {
 type AlibiKey = (i64, i64, Kind);
 
 /// What a window's mask is made for: its queries, their offset, the
-/// window, its dtype.
+/// window (a chunk's: the chunk), its dtype.
 type WindowKey = (i64, i64, i64, Kind);
 
 /// The boolean mask `visible` as the attention turns it into scores in

@@ -10,9 +10,8 @@
 //! Gemma 2's soft-capped attention and GPT-OSS's beside its sinks;
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
 //! and queries grown with their position; Apertus's xIELU; LFM2's short
-//! convolutions), the whole
-//! model training or
-//! LoRA's adapters on a frozen base; and those adapters' parameters.
+//! convolutions), the whole model training or LoRA's adapters on a
+//! frozen base; and those adapters' parameters.
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
 //! to what libtorch allocates, to the byte.
 //!
@@ -376,10 +375,9 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 /// GLM-4-MoE's, dots.llm1's and DeepSeek-V2's and V3's; Qwen2-MoE's
 /// beside its gated shared expert, Llama 4's beside an ungated one,
 /// Granite-MoE-shared's beside a shared MLP whose gate and up are one
-/// matrix):
-/// each token's top `k` of `count` experts by the router's scores
-/// (renormalised when `normalize`), each expert a gated MLP `width`
-/// wide run on the tokens that chose it.
+/// matrix): each token's top `k` of `count` experts by the router's
+/// scores (renormalised when `normalize`), each expert a gated MLP
+/// `width` wide run on the tokens that chose it.
 struct Experts {
     count: u64,
     k: u64,
@@ -1211,10 +1209,9 @@ impl Widths {
     /// does, `full`: whether its base trains, `r`: its adapters,
     /// `experts`: its mixture of experts in place of the MLP, `turns`:
     /// whether it turns its heads, `conv`: LFM2's convolution's kernel
-    /// in place of attention. An adapter
-    /// keeps its input (shared by the layers reading one tensor; under
-    /// LoRA's dropout its own dropped copy, [`Widths::dropped`]) and its
-    /// `A`'s output.
+    /// in place of attention. An adapter keeps its input (shared by the
+    /// layers reading one tensor; under LoRA's dropout its own dropped
+    /// copy, [`Widths::dropped`]) and its `A`'s output.
     fn layer(
         &self,
         (live, full): (bool, bool),

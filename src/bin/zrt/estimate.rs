@@ -64,11 +64,12 @@ pub struct EstimateArgs {
     /// saves), for the models whose layers it counts (Llama's, Mistral's,
     /// Ministral's, Qwen2's, Qwen3's, Granite's, Seed-OSS's, Arcee's,
     /// StarCoder2's, Nemotron's, ERNIE 4.5's (with experts too),
-    /// Helium's, GLM's and GLM-4's, Hunyuan's, Cohere 1's and 2's, StableLM's, Persimmon's,
-    /// Gemma 1-3's, VaultGemma's, Phi-3's, SmolLM3's, OLMo 1-3's, EXAONE 4's,
-    /// Mixtral's, Qwen2-MoE's, Qwen3-MoE's, OLMoE's, FlexOlmo's,
-    /// Granite-MoE's (shared too), Hunyuan-MoE's, GLM-4-MoE's, dots.llm1's, DeepSeek-V2's
-    /// and V3's, Llama 4's, Apertus's, LFM2's, GPT-OSS's).
+    /// Helium's, GLM's and GLM-4's, Hunyuan's, Cohere 1's and 2's,
+    /// StableLM's, Persimmon's, Gemma 1-3's, VaultGemma's, Phi-3's,
+    /// SmolLM3's, OLMo 1-3's, EXAONE 4's, Mixtral's, Qwen2-MoE's,
+    /// Qwen3-MoE's, OLMoE's, FlexOlmo's, Granite-MoE's (shared too),
+    /// Hunyuan-MoE's, GLM-4-MoE's, dots.llm1's, DeepSeek-V2's and V3's,
+    /// Llama 4's, Apertus's, LFM2's, GPT-OSS's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -85,11 +86,11 @@ pub struct EstimateArgs {
     /// are LoRA's. Counted on the layers of Llama, Mistral, Ministral,
     /// Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron,
     /// ERNIE 4.5 (with experts too), Helium, GLM and GLM-4, Hunyuan,
-    /// Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE
-    /// 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too),
-    /// Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4,
-    /// Apertus, LFM2 and GPT-OSS (not on a mixture's router or experts,
-    /// shared or routed).
+    /// Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3,
+    /// SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+    /// FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE,
+    /// dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2 and GPT-OSS
+    /// (not on a mixture's router or experts, shared or routed).
     #[arg(long)]
     lora_r: Option<i64>,
     /// With `--lora-r`: the linear layers that take adapters,

@@ -180,7 +180,11 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// Granite-MoE-shared's experts beside its shared MLP, whose gate and up
 /// are one matrix; LFM2's short convolutions (of 3 and of 4 tokens,
 /// biased, beside heads wider than the model) around a layer that
-/// attends with norms of each head's queries and keys.
+/// attends with norms of each head's queries and keys; and DBRX's
+/// fused query-key-value projection, clipped (each clamp keeping the
+/// projection's output) and not (its values a view of it), between its
+/// unbiased LayerNorms, beside experts stacked as rows, their weights
+/// renormalised and not.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -343,6 +347,14 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "lfm2",
         r#", "layer_types": ["conv", "conv", "full_attention"], "conv_L_cache": 4, "conv_bias": true, "head_dim": 24, "pad_token_id": 96"#,
+    ),
+    (
+        "dbrx",
+        r#", "attn_config": {"kv_n_heads": 2, "clip_qkv": 0.3}, "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}"#,
+    ),
+    (
+        "dbrx",
+        r#", "attn_config": {"kv_n_heads": 2}, "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": null}"#,
     ),
     (
         "granitemoeshared",
@@ -511,6 +523,23 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         dropped(0.1, &lora(&["in_proj", "out_proj", "k_proj"])),
     ])
     .collect();
+    // DBRX's attention under its own names (its MLP is experts alone,
+    // stacked as rows: the MLP's targets moved to the attention), and
+    // its router (`router.layer`), not counted.
+    let dbrx_cases: Vec<_> = (renamed(&[
+        (&["q_proj", "k_proj", "v_proj", "gate_proj"], "Wqkv"),
+        (&["o_proj", "up_proj", "down_proj"], "out_proj"),
+    ]))
+    .into_iter()
+    .chain([
+        lora(&["layer"]),
+        // A pattern naming the projection's path.
+        zrt::lora::LoraConfig {
+            rank_pattern: vec![("norm_attn_norm.attn.Wqkv".into(), 3)],
+            ..lora(&["Wqkv", "out_proj"])
+        },
+    ])
+    .collect();
     // Hunyuan's router (`gate.wg`) alone.
     let hunyuan_moe_cases: Vec<_> = (moe_shared_cases.iter().cloned())
         .chain([lora(&["wg"])])
@@ -588,6 +617,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "deepseek_v3" | "deepseek_v2" => &latent_cases[..],
             "llama4_text" => &llama4_cases[..],
             "lfm2" => &lfm2_cases[..],
+            "dbrx" => &dbrx_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };

@@ -1459,6 +1459,22 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "a forward of 1 x 4096 tokens in bf16 holds 7.10 GiB a rank",
         ],
     );
+    // DBRX's (132B): its fused query-key-value projection clipped at 8
+    // (each clamp keeping the projection's output), four of 16 experts
+    // a token.
+    let dbrx = hf_config(
+        &dir,
+        "dbrx",
+        r#"{"architectures": ["DbrxForCausalLM"], "model_type": "dbrx", "d_model": 6144, "n_heads": 48, "n_layers": 40, "max_seq_len": 32768, "vocab_size": 100352, "attn_config": {"kv_n_heads": 8, "clip_qkv": 8, "rope_theta": 500000}, "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}, "tie_word_embeddings": false}"#,
+    );
+    estimate_says(
+        &dbrx,
+        &["--world", "8", "--seq", "4096", "--dtype", "bf16"],
+        &[
+            "131596523520 params",
+            "a forward of 1 x 4096 tokens in bf16 holds 69.83 GiB a rank",
+        ],
+    );
     // Gemma 2 2B's: its soft-capped scores computed a block of queries
     // at a time and again in backward (one by one they kept 1.63 GiB
     // more), and the capped logits' tanh (0.49 GiB) beside the capped

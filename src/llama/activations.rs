@@ -92,8 +92,10 @@ pub fn held_for_backward(
             ),
         pre_norms: !(c.family.olmo() || c.family == Family::Exaone4),
         // Persimmon's heads interleave their queries, keys and values:
-        // each is a copy.
-        views: c.family == Family::Phi3,
+        // each is a copy. DBRX's values are a view too, unless clipped:
+        // each clamp makes a tensor of its own, and keeps the fused
+        // output as its input (`clipped`).
+        views: matches!(c.family, Family::Phi3 | Family::Dbrx) && c.clip_qkv.is_none(),
         gated: gated(c),
         xielu: c.activation == Activation::Xielu,
         rows,
@@ -243,7 +245,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2 and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -251,12 +253,12 @@ fn dims(x: i64) -> u64 {
 }
 
 /// Whether `c`'s queries, keys and values are one projection (Phi-3's
-/// `qkv_proj`, Persimmon's `query_key_value`), and whether gate and up
-/// are one (Phi-3's and GLM's `gate_up_proj`).
+/// `qkv_proj`, Persimmon's `query_key_value`, DBRX's `Wqkv`), and
+/// whether gate and up are one (Phi-3's and GLM's `gate_up_proj`).
 fn fused(c: &LlamaConfig) -> (bool, bool) {
     match c.family {
         Family::Phi3 => (true, true),
-        Family::Persimmon => (true, false),
+        Family::Persimmon | Family::Dbrx => (true, false),
         f if f.glm() => (false, true),
         _ => (false, false),
     }
@@ -326,6 +328,7 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::GraniteMoe
         | Family::GraniteMoeShared
         | Family::Ernie4_5Moe
+        | Family::Dbrx
         | Family::GptOss => !c.qk_norm,
         Family::Qwen3
         | Family::Gemma3
@@ -371,7 +374,7 @@ fn adapters_alone(l: &LoraConfig) -> bool {
 }
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
-/// FlexOlmo's, Granite-MoE's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
+/// FlexOlmo's, Granite-MoE's, DBRX's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
 /// GLM-4-MoE's, dots.llm1's and DeepSeek-V2's and V3's; Qwen2-MoE's
 /// beside its gated shared expert, Llama 4's beside an ungated one,
 /// Granite-MoE-shared's beside a shared MLP whose gate and up are one
@@ -413,6 +416,7 @@ impl Experts {
                 | Family::Olmoe
                 | Family::FlexOlmo
                 | Family::GraniteMoe
+                | Family::Dbrx
         ) && m.shared.is_none();
         // ERNIE 4.5's router chooses by its scores and a fixed
         // correction, and keeps what a plain one does: the choices, as
@@ -574,6 +578,7 @@ impl MoeModules {
                 ("feed_forward.shared_expert", GATED),
             ),
             Family::GraniteMoe => ("block_sparse_moe", &["router.layer"][..], &[][..], NONE),
+            Family::Dbrx => ("ffn", &["router.layer"][..], &[][..], NONE),
             // Granite-MoE-shared's shared MLP is the layer's own.
             Family::GraniteMoeShared => (
                 "block_sparse_moe",
@@ -699,6 +704,8 @@ impl Ranks {
                 "feed_forward.w3",
                 "feed_forward.w2",
             ),
+            // DBRX's layers are all experts (no dense MLP).
+            Family::Dbrx => ("Wqkv", "out_proj", "", "", ""),
             _ => (
                 "qkv_proj",
                 "o_proj",
@@ -707,9 +714,14 @@ impl Ranks {
                 "mlp.down_proj",
             ),
         };
+        // DBRX's attention under its norms' module.
+        let attn = match c.family {
+            Family::Dbrx => "norm_attn_norm.attn",
+            _ => "self_attn",
+        };
         let (fused_qkv, fused_gate_up) = fused(c);
         let mut r = Self {
-            o: rank(&format!("self_attn.{o}")),
+            o: rank(&format!("{attn}.{o}")),
             down: rank(down),
             ..Self::default()
         };
@@ -728,7 +740,7 @@ impl Ranks {
                     rank("self_attn.kv_b_proj"),
                 )
             }
-            true => r.qkv = rank(&format!("self_attn.{qkv}")),
+            true => r.qkv = rank(&format!("{attn}.{qkv}")),
             false => {
                 (r.q, r.k, r.v) = (
                     rank("self_attn.q_proj"),
@@ -792,7 +804,7 @@ impl Norms {
             | Family::Cohere
             | Family::Cohere2
             | Family::GptOss => Self::Fp32,
-            Family::Starcoder2 | Family::StableLm | Family::Persimmon => Self::Layer,
+            Family::Starcoder2 | Family::StableLm | Family::Persimmon | Family::Dbrx => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,
@@ -847,8 +859,9 @@ struct Widths {
     sandwich: bool,
     /// Norms before each sublayer (all but OLMo 2's and 3's).
     pre_norms: bool,
-    /// Phi-3's fused projection: queries, keys and values one output,
-    /// which the values, a view of it, keep whole.
+    /// Phi-3's (and DBRX's unclipped) fused projection: queries, keys
+    /// and values one output, which the values, a view of it, keep
+    /// whole.
     views: bool,
     /// A gated MLP (`down(act(gate(x)) * up(x))`), not Arcee's
     /// `down(relu2(up(x)))` or StarCoder2's `c_proj(gelu(c_fc(x)))`.

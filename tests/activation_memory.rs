@@ -184,7 +184,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// fused query-key-value projection, clipped (each clamp keeping the
 /// projection's output) and not (its values a view of it), between its
 /// unbiased LayerNorms, beside experts stacked as rows, their weights
-/// renormalised and not.
+/// renormalised and not; and Falcon's layers: 7B's one key and value
+/// (a view of the fused projection) beside the MLP after one LayerNorm,
+/// 40B's groups after two, one group after one, and one after the other
+/// with biases.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -355,6 +358,22 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "dbrx",
         r#", "attn_config": {"kv_n_heads": 2}, "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": null}"#,
+    ),
+    (
+        "falcon",
+        r#", "multi_query": true, "parallel_attn": true, "bias": false, "alibi": false, "new_decoder_architecture": false"#,
+    ),
+    (
+        "falcon",
+        r#", "num_kv_heads": 2, "new_decoder_architecture": true, "bias": true, "alibi": false"#,
+    ),
+    (
+        "falcon",
+        r#", "num_kv_heads": 1, "new_decoder_architecture": true, "num_ln_in_parallel_attn": 1, "alibi": false"#,
+    ),
+    (
+        "falcon",
+        r#", "multi_query": false, "parallel_attn": false, "bias": true, "alibi": false, "new_decoder_architecture": false"#,
     ),
     (
         "granitemoeshared",
@@ -540,6 +559,13 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         },
     ])
     .collect();
+    // Falcon's names are Persimmon's, its attention `self_attention`.
+    let falcon_cases: Vec<_> = (persimmon_cases.iter().cloned())
+        .chain([zrt::lora::LoraConfig {
+            rank_pattern: vec![("self_attention.dense".into(), 3)],
+            ..lora(&["query_key_value", "dense"])
+        }])
+        .collect();
     // Hunyuan's router (`gate.wg`) alone.
     let hunyuan_moe_cases: Vec<_> = (moe_shared_cases.iter().cloned())
         .chain([lora(&["wg"])])
@@ -618,6 +644,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "llama4_text" => &llama4_cases[..],
             "lfm2" => &lfm2_cases[..],
             "dbrx" => &dbrx_cases[..],
+            "falcon" => &falcon_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };
@@ -723,11 +750,15 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
 fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
-    // Other families' layers save other tensors; DeepSeek-V3's values
-    // wider than its queries and keys take the attention that keeps
-    // every score.
+    // Other families' layers save other tensors (Falcon-RW's ALiBi, a
+    // mask of each head's scores); DeepSeek-V3's values wider than its
+    // queries and keys take the attention that keeps every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
-    for (t, extra) in [("falcon", ""), ("jamba", ""), ("deepseek_v3", wide_values)] {
+    for (t, extra) in [
+        ("falcon", r#", "alibi": true"#),
+        ("jamba", ""),
+        ("deepseek_v3", wide_values),
+    ] {
         assert_eq!(
             held_for_backward(&c(t, extra), rows_seq, Kind::Float, false, None),
             None,

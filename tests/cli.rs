@@ -1475,6 +1475,21 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "a forward of 1 x 4096 tokens in bf16 holds 69.83 GiB a rank",
         ],
     );
+    // Falcon-7B's: one key and value (a view of the fused projection,
+    // which it keeps whole) beside the MLP after one LayerNorm.
+    let falcon = hf_config(
+        &dir,
+        "falcon-7b",
+        r#"{"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32, "multi_query": true, "parallel_attn": true, "bias": false, "alibi": false, "new_decoder_architecture": false, "vocab_size": 65024, "hidden_dropout": 0.0, "attention_dropout": 0.0}"#,
+    );
+    estimate_says(
+        &falcon,
+        &["--world", "2", "--seq", "2048", "--dtype", "bf16"],
+        &[
+            "6921720704 params",
+            "a forward of 1 x 2048 tokens in bf16 holds 7.57 GiB a rank",
+        ],
+    );
     // Gemma 2 2B's: its soft-capped scores computed a block of queries
     // at a time and again in backward (one by one they kept 1.63 GiB
     // more), and the capped logits' tanh (0.49 GiB) beside the capped

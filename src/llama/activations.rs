@@ -95,7 +95,9 @@ pub fn held_for_backward(
         // each is a copy. DBRX's values are a view too, unless clipped:
         // each clamp makes a tensor of its own, and keeps the fused
         // output as its input (`clipped`).
-        views: matches!(c.family, Family::Phi3 | Family::Dbrx) && c.clip_qkv.is_none(),
+        // Falcon's one key and value (7B's, 180B's) are views too.
+        views: (matches!(c.family, Family::Phi3 | Family::Dbrx) && c.clip_qkv.is_none())
+            || (c.family == Family::Falcon && c.kv_heads == 1),
         gated: gated(c),
         xielu: c.activation == Activation::Xielu,
         rows,
@@ -112,7 +114,8 @@ pub fn held_for_backward(
         l2_norm: c.llama4.as_ref().is_some_and(|a| a.qk_l2_norm),
         temperature: c.llama4.as_ref().is_some_and(|a| a.temperature.is_some()),
         clipped: c.clip_qkv.is_some(),
-        parallel: c.parallel,
+        parallel: c.parallel || c.falcon.as_ref().is_some_and(|f| f.parallel),
+        two_norms: c.falcon.as_ref().is_some_and(|f| f.parallel && f.two_norms),
         eager: (c.attn_softcap.is_some() || c.family == Family::GptOss).then_some(Eager {
             rows,
             seq,
@@ -245,7 +248,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count (`counted`'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX and GPT-OSS";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW) and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -258,7 +261,7 @@ fn dims(x: i64) -> u64 {
 fn fused(c: &LlamaConfig) -> (bool, bool) {
     match c.family {
         Family::Phi3 => (true, true),
-        Family::Persimmon | Family::Dbrx => (true, false),
+        Family::Persimmon | Family::Dbrx | Family::Falcon => (true, false),
         f if f.glm() => (false, true),
         _ => (false, false),
     }
@@ -271,7 +274,12 @@ fn fused(c: &LlamaConfig) -> (bool, bool) {
 fn gated(c: &LlamaConfig) -> bool {
     !matches!(
         c.family,
-        Family::Arcee | Family::Starcoder2 | Family::Nemotron | Family::Persimmon | Family::Apertus
+        Family::Arcee
+            | Family::Starcoder2
+            | Family::Nemotron
+            | Family::Persimmon
+            | Family::Apertus
+            | Family::Falcon
     )
 }
 
@@ -330,6 +338,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Ernie4_5Moe
         | Family::Dbrx
         | Family::GptOss => !c.qk_norm,
+        // Falcon's layers but Falcon-RW's ALiBi.
+        Family::Falcon => c.falcon.as_ref().is_some_and(|f| !f.alibi),
         Family::Qwen3
         | Family::Gemma3
         | Family::Qwen3Moe
@@ -706,6 +716,13 @@ impl Ranks {
             ),
             // DBRX's layers are all experts (no dense MLP).
             Family::Dbrx => ("Wqkv", "out_proj", "", "", ""),
+            Family::Falcon => (
+                "query_key_value",
+                "dense",
+                "",
+                "mlp.dense_h_to_4h",
+                "mlp.dense_4h_to_h",
+            ),
             _ => (
                 "qkv_proj",
                 "o_proj",
@@ -717,6 +734,7 @@ impl Ranks {
         // DBRX's attention under its norms' module.
         let attn = match c.family {
             Family::Dbrx => "norm_attn_norm.attn",
+            Family::Falcon => "self_attention",
             _ => "self_attn",
         };
         let (fused_qkv, fused_gate_up) = fused(c);
@@ -804,7 +822,11 @@ impl Norms {
             | Family::Cohere
             | Family::Cohere2
             | Family::GptOss => Self::Fp32,
-            Family::Starcoder2 | Family::StableLm | Family::Persimmon | Family::Dbrx => Self::Layer,
+            Family::Starcoder2
+            | Family::StableLm
+            | Family::Persimmon
+            | Family::Dbrx
+            | Family::Falcon => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,
@@ -881,6 +903,11 @@ struct Widths {
     /// Cohere's attention and MLP side by side after one norm
     /// (`x + attn(n(x)) + mlp(n(x))`): both read one normalised tensor.
     parallel: bool,
+    /// Falcon 40B's and 180B's two LayerNorms of the input side by side
+    /// (`ln_attn`, `ln_mlp`): the second keeps its own mean and
+    /// reciprocal (the input is the first's), and the MLP reads its own
+    /// normalised tensor.
+    two_norms: bool,
     /// Gemma 2's soft-capped attention scores, GPT-OSS's beside its
     /// sinks, computed by blocks of queries or whole rather than by the
     /// fused kernel.
@@ -1254,7 +1281,7 @@ impl Widths {
         // Queries, keys and values read one tensor (and, side by side,
         // the MLP's gate and up).
         let mut readers = r.attention_ranks().to_vec();
-        if parallel {
+        if parallel && !self.two_norms {
             readers.extend(r.mlp_ranks());
         }
         per_token += self.shares(full, &readers) as u64 * b * h;
@@ -1285,6 +1312,11 @@ impl Widths {
             per_token += self.norm(mid, full);
             per_forward += self.norm_weights(mid);
         }
+        // Falcon's second LayerNorm of the same input: its mean and
+        // reciprocal in the compute dtype.
+        if self.two_norms {
+            per_token += (live || full) as u64 * 2 * b;
+        }
         let normed = match parallel {
             true => normed,
             false => mid || (pre_norms && full),
@@ -1298,8 +1330,8 @@ impl Widths {
             }
             None => {
                 // Gate and up read one tensor (the attention's too, side
-                // by side: counted there).
-                if !parallel {
+                // by side after one norm: counted there).
+                if !parallel || self.two_norms {
                     let readers = r.mlp_ranks();
                     per_token += self.shares(full, &readers) as u64 * b * h;
                     per_token += b * r.mlp_input() + self.dropped(h, &readers, normed);

@@ -1413,83 +1413,78 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "stage 3 in all: 22.47 GiB a rank",
         ],
     );
-    // Llama 4 Scout's language model (its published text config, its
-    // temperature tuning given as 4; 16 experts a layer, top 1, beside
-    // a shared expert): at 16384 tokens
-    // its 36 chunked layers attend within chunks of 8192 through one
-    // mask of scores (each layer's own kept 17.5 GiB more, until
-    // 2026-12-07); the other 12 grow their queries with the position.
-    let scout = hf_config(
-        &dir,
-        "llama4-scout",
-        r#"{"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "attention_bias": false, "attention_chunk_size": 8192, "attention_dropout": 0.0, "attn_scale": 0.1, "attn_temperature_tuning": 4, "floor_scale": 8192, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "max_position_embeddings": 262144, "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": false, "pad_token_id": 200018, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0, "router_jitter_noise": 0.0, "tie_word_embeddings": false, "use_qk_norm": true, "vocab_size": 202048}"#,
-    );
-    estimate_says(
-        &scout,
-        &["--world", "8", "--seq", "16384", "--dtype", "bf16"],
-        &["a forward of 1 x 16384 tokens in bf16 holds 187.17 GiB a rank"],
-    );
-    // Apertus's class defaults (8B's width, an MLP 14336 wide): its
-    // xIELU keeps its input alone, computed again in backward (its
-    // intermediate values kept 34.79 GiB in all, until 2026-12-07).
-    let apertus = hf_config(
-        &dir,
-        "apertus",
-        r#"{"model_type": "apertus", "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}"#,
-    );
-    estimate_says(
-        &apertus,
-        &["--world", "2", "--seq", "4096", "--dtype", "bf16"],
-        &["a forward of 1 x 4096 tokens in bf16 holds 22.54 GiB a rank"],
-    );
-    // LFM2-1.2B's shape: ten short convolutions, each keeping its
-    // projection's three widths, their product, the convolution's output
-    // and the output projection's copy (6 b h a token), around six
-    // layers that attend.
-    let lfm2 = hf_config(
-        &dir,
-        "lfm2",
-        r#"{"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 2048, "intermediate_size": 12288, "block_ff_dim": 12288, "block_auto_adjust_ff_dim": true, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 65536, "conv_L_cache": 3, "conv_bias": false, "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv"], "max_position_embeddings": 128000, "norm_eps": 1e-05, "rope_theta": 1000000.0, "tie_embedding": true, "pad_token_id": 0}"#,
-    );
-    estimate_says(
-        &lfm2,
-        &["--world", "2", "--seq", "4096", "--dtype", "bf16"],
-        &[
-            "1170340608 params",
-            "a forward of 1 x 4096 tokens in bf16 holds 7.10 GiB a rank",
-        ],
-    );
-    // DBRX's (132B): its fused query-key-value projection clipped at 8
-    // (each clamp keeping the projection's output), four of 16 experts
-    // a token.
-    let dbrx = hf_config(
-        &dir,
-        "dbrx",
-        r#"{"architectures": ["DbrxForCausalLM"], "model_type": "dbrx", "d_model": 6144, "n_heads": 48, "n_layers": 40, "max_seq_len": 32768, "vocab_size": 100352, "attn_config": {"kv_n_heads": 8, "clip_qkv": 8, "rope_theta": 500000}, "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}, "tie_word_embeddings": false}"#,
-    );
-    estimate_says(
-        &dbrx,
-        &["--world", "8", "--seq", "4096", "--dtype", "bf16"],
-        &[
-            "131596523520 params",
-            "a forward of 1 x 4096 tokens in bf16 holds 69.83 GiB a rank",
-        ],
-    );
-    // Falcon-7B's: one key and value (a view of the fused projection,
-    // which it keeps whole) beside the MLP after one LayerNorm.
-    let falcon = hf_config(
-        &dir,
-        "falcon-7b",
-        r#"{"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32, "multi_query": true, "parallel_attn": true, "bias": false, "alibi": false, "new_decoder_architecture": false, "vocab_size": 65024, "hidden_dropout": 0.0, "attention_dropout": 0.0}"#,
-    );
-    estimate_says(
-        &falcon,
-        &["--world", "2", "--seq", "2048", "--dtype", "bf16"],
-        &[
-            "6921720704 params",
-            "a forward of 1 x 2048 tokens in bf16 holds 7.57 GiB a rank",
-        ],
-    );
+    // Each at its widths, in bf16: its config, ranks, tokens and what
+    // the estimate says.
+    let widths: [(&str, &str, &str, &str, &[&str]); 5] = [
+        // Llama 4 Scout's language model (its published text config,
+        // its temperature tuning given as 4; 16 experts a layer, top 1,
+        // beside a shared expert): at 16384 tokens its 36 chunked layers
+        // attend within chunks of 8192 through one mask of scores (each
+        // layer's own kept 17.5 GiB more, until 2026-12-07); the other
+        // 12 grow their queries with the position.
+        (
+            "llama4-scout",
+            r#"{"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "attention_bias": false, "attention_chunk_size": 8192, "attention_dropout": 0.0, "attn_scale": 0.1, "attn_temperature_tuning": 4, "floor_scale": 8192, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "max_position_embeddings": 262144, "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": false, "pad_token_id": 200018, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0, "router_jitter_noise": 0.0, "tie_word_embeddings": false, "use_qk_norm": true, "vocab_size": 202048}"#,
+            "8",
+            "16384",
+            &["a forward of 1 x 16384 tokens in bf16 holds 187.17 GiB a rank"],
+        ),
+        // Apertus's class defaults (8B's width, an MLP 14336 wide): its
+        // xIELU keeps its input alone, computed again in backward (its
+        // intermediate values kept 34.79 GiB in all, until 2026-12-07).
+        (
+            "apertus",
+            r#"{"model_type": "apertus", "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}"#,
+            "2",
+            "4096",
+            &["a forward of 1 x 4096 tokens in bf16 holds 22.54 GiB a rank"],
+        ),
+        // LFM2-1.2B's shape: ten short convolutions, each keeping its
+        // projection's three widths, their product, the convolution's
+        // output and the output projection's copy (6 b h a token),
+        // around six layers that attend.
+        (
+            "lfm2",
+            r#"{"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 2048, "intermediate_size": 12288, "block_ff_dim": 12288, "block_auto_adjust_ff_dim": true, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 65536, "conv_L_cache": 3, "conv_bias": false, "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv"], "max_position_embeddings": 128000, "norm_eps": 1e-05, "rope_theta": 1000000.0, "tie_embedding": true, "pad_token_id": 0}"#,
+            "2",
+            "4096",
+            &[
+                "1170340608 params",
+                "a forward of 1 x 4096 tokens in bf16 holds 7.10 GiB a rank",
+            ],
+        ),
+        // DBRX's (132B): its fused query-key-value projection clipped
+        // at 8 (each clamp keeping the projection's output), four of 16
+        // experts a token.
+        (
+            "dbrx",
+            r#"{"architectures": ["DbrxForCausalLM"], "model_type": "dbrx", "d_model": 6144, "n_heads": 48, "n_layers": 40, "max_seq_len": 32768, "vocab_size": 100352, "attn_config": {"kv_n_heads": 8, "clip_qkv": 8, "rope_theta": 500000}, "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}, "tie_word_embeddings": false}"#,
+            "8",
+            "4096",
+            &[
+                "131596523520 params",
+                "a forward of 1 x 4096 tokens in bf16 holds 69.83 GiB a rank",
+            ],
+        ),
+        // Falcon-7B's: one key and value (a view of the fused
+        // projection, which it keeps whole) beside the MLP after one
+        // LayerNorm.
+        (
+            "falcon-7b",
+            r#"{"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32, "multi_query": true, "parallel_attn": true, "bias": false, "alibi": false, "new_decoder_architecture": false, "vocab_size": 65024, "hidden_dropout": 0.0, "attention_dropout": 0.0}"#,
+            "2",
+            "2048",
+            &[
+                "6921720704 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 7.57 GiB a rank",
+            ],
+        ),
+    ];
+    for (name, json, world, seq, said) in widths {
+        let config = hf_config(&dir, name, json);
+        let args = ["--world", world, "--seq", seq, "--dtype", "bf16"];
+        estimate_says(&config, &args, said);
+    }
     // Gemma 2 2B's: its soft-capped scores computed a block of queries
     // at a time and again in backward (one by one they kept 1.63 GiB
     // more), and the capped logits' tanh (0.49 GiB) beside the capped

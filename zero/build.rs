@@ -19,6 +19,7 @@ fn main() {
         .file("csrc/flops.cpp")
         .file("csrc/allocated.cpp")
         .file("csrc/loss.cpp")
+        .file("csrc/linear_loss.cpp")
         .include(root.join("include"))
         .include(root.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

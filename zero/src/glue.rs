@@ -15,9 +15,11 @@ use std::ffi::{c_char, CStr};
 mod allocated;
 mod flops;
 mod freed;
+mod linear_loss;
 mod loss;
 pub use allocated::{allocated, reset_peak_allocated, track_allocations, Allocated};
 pub use flops::{count_macs, macs_counted};
+pub use linear_loss::{linear_cross_entropy, LogitsAfter};
 pub use loss::cross_entropy;
 
 use tch::Tensor;

@@ -834,6 +834,20 @@ impl<M> ShardedModule<M> {
         Some(Running::enter(h, self.unit))
     }
 
+    /// `f` of the wrapped module in place of its forward, with the unit's
+    /// parameters made usable first, `x` its input and the result its
+    /// output as the engine sees them: for a unit whose output is not
+    /// its module's forward (a language model's head that returns the
+    /// loss itself, [`glue::linear_cross_entropy`](crate::glue::linear_cross_entropy)).
+    /// As for any unit, its backward must begin at the result's gradient
+    /// and end at `x`'s.
+    pub fn forward_with(&self, x: &Tensor, f: impl FnOnce(&M) -> Tensor) -> Tensor {
+        let _running = self.before();
+        let y = f(&self.inner);
+        self.after(x, &y);
+        y
+    }
+
     fn after(&self, x: &Tensor, y: &Tensor) {
         if let Some(h) = self.plan.engine_hook() {
             h.after_forward(self.unit, x, y);

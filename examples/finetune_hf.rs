@@ -52,9 +52,7 @@ use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
 use zrt::generate::SamplingArgs;
-use zrt::hf::{
-    causal_lm_loss_over, counted_targets, eos_token_ids, items_per_micro_step, HfModel, HfOptions,
-};
+use zrt::hf::{counted_targets, eos_token_ids, items_per_micro_step, HfModel, HfOptions};
 use zrt::lora::LoraConfig;
 use zrt::packing::{document_positions, positions_from_starts};
 use zrt::tokenize::HfTokenizer;
@@ -117,6 +115,13 @@ struct Args {
     /// Recompute every block's activations in backward (less memory).
     #[arg(long)]
     checkpoint_activations: bool,
+    /// Take the head's logits whole for the loss, as `transformers`
+    /// does, instead of the head fused with the loss (the default, where
+    /// the model allows it: `HfModel::set_fused_loss`), which holds no
+    /// `[tokens, vocabulary]` logits and runs the head's product once
+    /// more.
+    #[arg(long)]
+    unfused_loss: bool,
     /// Where checkpoints go (`save_checkpoint`, tag `stepN`); a run given
     /// one goes on from the latest there, if any (`resume_from`).
     #[arg(long)]
@@ -464,6 +469,7 @@ fn main() -> Result<()> {
     tch::manual_seed(a.seed);
     let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
     model.set_training(!a.no_dropout);
+    model.set_fused_loss(!a.unfused_loss);
     if let Some(alpha) = a.neftune_alpha {
         model.set_neftune_alpha(alpha)?;
     }
@@ -717,11 +723,7 @@ fn main() -> Result<()> {
         let per = items_per_micro_step(items, world.size(), batch.gas);
         let (mut loss_sum, mut aux_sum) = (0.0, 0.0);
         for (x, positions, counted) in &micro_batches {
-            let logits = match positions {
-                Some(p) => model.forward_packed(x, p)?,
-                None => model.forward(x),
-            };
-            let lm = causal_lm_loss_over(&logits, x, counted, per);
+            let lm = model.loss_over(x, positions.as_ref(), counted, per)?;
             let lm_value = lm.to_kind(Kind::Double).double_value(&[]);
             loss_sum += lm_value * per;
             // The auxiliary losses the config asks for (the routers'

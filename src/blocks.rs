@@ -13,6 +13,7 @@ use crate::kv_cache::{causal_attention, Decoding, LayerCache};
 use crate::lora::{Adapted, EmbeddingAdapter, LoraConfig, TrainableTokens};
 use crate::packing::Documents;
 use crate::zero::activation::{Capture, Checkpointed, Replay, Restore};
+use crate::zero::glue::{linear_cross_entropy, LogitsAfter};
 use crate::zero::{ShardPlan, ShardedModule};
 
 /// A block, plain or checkpointed.
@@ -293,11 +294,9 @@ impl Module for TokenEmbedding {
 #[derive(Debug)]
 pub(crate) struct TiedEmbedding(pub(crate) TokenEmbedding);
 
-impl Module for TiedEmbedding {
-    fn forward(&self, x: &Tensor) -> Tensor {
-        if !x.is_floating_point() {
-            return self.0.forward(x);
-        }
+impl TiedEmbedding {
+    /// The matrix as the head reads it.
+    fn head_matrix(&self) -> Tensor {
         // The head's gradient goes to the matrix's `.grad` as soon as its
         // backward has it, so that the lookup's sparse rows, at the end of
         // backward, are added into it in place: through the matrix itself
@@ -311,7 +310,16 @@ impl Module for TiedEmbedding {
             }),
             false => ws.shallow_clone(),
         };
-        let logits = x.matmul(&w.tr());
+        w
+    }
+}
+
+impl Module for TiedEmbedding {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        if !x.is_floating_point() {
+            return self.0.forward(x);
+        }
+        let logits = x.matmul(&self.head_matrix().tr());
         match &self.0.tokens {
             Some(t) => t.logits(x, logits),
             None => logits,
@@ -340,6 +348,14 @@ pub(crate) enum Ends {
 pub(crate) struct Head {
     linear: Adapted,
     tokens: Option<TrainableTokens>,
+}
+
+impl Head {
+    /// Its matrix and bias when it is a plain linear map with no token's
+    /// rows apart.
+    fn plain(&self) -> Option<(&Tensor, Option<&Tensor>)> {
+        self.tokens.is_none().then(|| self.linear.plain()).flatten()
+    }
 }
 
 impl Module for Head {
@@ -402,6 +418,72 @@ impl Ends {
             Self::Apart { head, .. } => head.forward(x),
         }
     }
+
+    /// Whether [`Ends::head_loss`] can fuse the head with the loss of
+    /// `targets`, `bias` added after the product: the head is a plain
+    /// matrix (no LoRA adapter on it, no token's rows trained apart)
+    /// with no bias of its own beside `bias`, and every target is -100
+    /// or in the vocabulary (else libtorch's loss of the logits says
+    /// which is not).
+    pub(crate) fn fuses(&self, targets: &Tensor, bias: Option<&Tensor>) -> bool {
+        let (vocab, own_bias) = match self {
+            Self::Tied(e) if e.inner().0.tokens.is_none() => {
+                (e.inner().0.weight().size()[0], false)
+            }
+            Self::Apart { head, .. } => match head.inner().plain() {
+                Some((w, b)) => (w.size()[0], b.is_some()),
+                None => return false,
+            },
+            Self::Tied(_) => return false,
+        };
+        !(own_bias && bias.is_some()) && targets_fit(targets, vocab)
+    }
+
+    /// The cross-entropy of the head's logits of `x` `[rows, width]`
+    /// against `targets` `[rows]` (int64, -100: not counted; their mean
+    /// or sum), `after`'s steps applied to the product (`bias`: the one
+    /// `after` adds, CTRL's tied head's), without holding the logits
+    /// whole ([`crate::zero::glue::linear_cross_entropy`]), run as the
+    /// head's unit: its output is the loss. Ask [`Ends::fuses`] first:
+    /// otherwise it takes the logits whole, as it does should the fused
+    /// loss fail anyway.
+    pub(crate) fn head_loss(
+        &self,
+        x: &Tensor,
+        (targets, mean): (&Tensor, bool),
+        bias: Option<&Tensor>,
+        after: LogitsAfter,
+    ) -> Tensor {
+        // What the unfused head would do, should the fused one fail
+        // anyway (out of memory): the unit runs once either way.
+        let unfused =
+            |logits: Tensor| crate::hf::cross_entropy(&after.apply(logits, bias), targets, mean);
+        let loss = |w: &Tensor, b: Option<&Tensor>, logits: &dyn Fn() -> Tensor| {
+            linear_cross_entropy(x, w, b, targets, -100, mean, after).unwrap_or_else(|e| {
+                tracing::warn!("{e}; the head's logits whole instead");
+                unfused(logits())
+            })
+        };
+        match self {
+            Self::Tied(e) => e.forward_with(x, |t| loss(&t.head_matrix(), bias, &|| t.forward(x))),
+            Self::Apart { head, .. } => head.forward_with(x, |h| match h.plain() {
+                Some((w, b)) => loss(w, b.or(bias), &|| h.forward(x)),
+                None => unfused(h.forward(x)),
+            }),
+        }
+    }
+}
+
+/// Whether `targets` are int64, one dimension, each in `0..vocab` or -100.
+fn targets_fit(targets: &Tensor, vocab: i64) -> bool {
+    if targets.kind() != tch::Kind::Int64 || targets.dim() != 1 {
+        return false;
+    }
+    let fit = targets
+        .ge(0)
+        .logical_and(&targets.lt(vocab))
+        .logical_or(&targets.eq(-100));
+    fit.all().int64_value(&[]) != 0
 }
 
 impl Embedding {

@@ -254,19 +254,21 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
 
 /// The bytes a training forward of `rows` rows of `seq` tokens of the
 /// model `config` describes holds for its backward, once the loss is
-/// computed, in the compute dtype `kind`, the whole model training or
-/// `lora`'s adapters ([`crate::llama::held_for_backward`]: what `zrt
-/// estimate --seq` prints); `None` for the models whose saved tensors it
-/// does not count.
+/// computed, in the compute dtype `kind`, each layer recomputed in
+/// backward or not and the head fused with the loss or not (`keeping`;
+/// [`HfModel::set_fused_loss`]), the whole model training or `lora`'s
+/// adapters ([`crate::llama::held_for_backward`]: what `zrt estimate
+/// --seq` prints); `None` for the models whose saved tensors it does not
+/// count.
 pub fn held_for_backward(
     config: impl AsRef<Path>,
     rows_seq: (u64, u64),
     kind: tch::Kind,
-    recompute: bool,
+    keeping: (bool, bool),
     lora: Option<&crate::lora::LoraConfig>,
 ) -> Result<Option<u64>, HfError> {
     Ok(match counted_layout(config.as_ref())? {
-        Layout::Llama(c) => crate::llama::held_for_backward(&c, rows_seq, kind, recompute, lora),
+        Layout::Llama(c) => crate::llama::held_for_backward(&c, rows_seq, kind, keeping, lora),
         _ => None,
     })
 }
@@ -561,10 +563,77 @@ impl HfModel {
                 tokens.size()
             )));
         }
-        let logits = self.forward_packed(tokens, positions)?;
         let counted = counted_targets(tokens, Some(positions), mask);
-        let lm = causal_lm_loss_masked(&logits, tokens, &counted);
+        let documents = Documents::new(tokens, positions)?;
+        let lm = match self.fused_loss(tokens, Some(documents), &counted, None) {
+            Some(lm) => lm,
+            None => {
+                causal_lm_loss_masked(&self.forward_packed(tokens, positions)?, tokens, &counted)
+            }
+        };
         Ok(self.plus_aux_losses(lm))
+    }
+
+    /// The loss of [`causal_lm_loss_over`] (the counted predictions'
+    /// cross-entropies summed and divided by `items`: `transformers`'
+    /// loss given `num_items_in_batch`) of the logits of `tokens`, packed
+    /// as `positions` say when given ([`HfModel::forward_packed`]), with
+    /// the head and the loss fused where it can
+    /// ([`HfModel::set_fused_loss`]). Without the auxiliary losses
+    /// ([`HfModel::plus_aux_losses`] adds them).
+    pub fn loss_over(
+        &self,
+        tokens: &Tensor,
+        positions: Option<&Tensor>,
+        counted: &Tensor,
+        items: f64,
+    ) -> Result<Tensor, HfError> {
+        let documents = positions.map(|p| Documents::new(tokens, p)).transpose()?;
+        if let Some(lm) = self.fused_loss(tokens, documents, counted, Some(items)) {
+            return Ok(lm);
+        }
+        let logits = match positions {
+            Some(p) => self.forward_packed(tokens, p)?,
+            None => self.forward(tokens),
+        };
+        Ok(causal_lm_loss_over(&logits, tokens, counted, items))
+    }
+
+    /// Turns on or off the fusing of the head with the loss in the loss
+    /// methods (`loss`, `loss_masked`, `loss_packed`, `loss_over`): on
+    /// when built. Fused, no `[tokens, vocab]` logits are held in forward
+    /// or backward ([`crate::zero::glue::linear_cross_entropy`]: the head
+    /// runs a block of rows, then of columns, at a time), at the cost of
+    /// the head's product once more; the loss is the same within fp32's
+    /// rounding. It applies to the Llama-family layouts whose head is a
+    /// plain matrix (no LoRA adapter or trainable tokens on it) and that
+    /// have no z-loss (Bamba's reads the logits); the others, GPT-2,
+    /// GPT-NeoX and Phi, always take the logits whole.
+    pub fn set_fused_loss(&self, on: bool) {
+        if let Self::Llama(m) = self {
+            m.set_fused_loss(on);
+        }
+    }
+
+    /// The language model's loss with the head fused
+    /// ([`HfModel::set_fused_loss`]): the counted predictions' mean (0
+    /// when none counts, as [`causal_lm_loss_masked`]'s) or their sum
+    /// over `items`. `None`, before anything runs, where it cannot.
+    fn fused_loss(
+        &self,
+        tokens: &Tensor,
+        documents: Option<Documents>,
+        counted: &Tensor,
+        items: Option<f64>,
+    ) -> Option<Tensor> {
+        let Self::Llama(m) = self else {
+            return None;
+        };
+        let lm = m.fused_loss(tokens, documents, (counted, items.is_none()))?;
+        Some(match items {
+            Some(n) => lm / n,
+            None => lm,
+        })
     }
 
     /// The causal-LM loss with `labels = tokens` ([`causal_lm_loss`]),
@@ -573,13 +642,17 @@ impl HfModel {
     /// ([`Self::plus_aux_losses`]; the same in [`Self::loss_masked`] and
     /// [`Self::loss_packed`]).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
-        self.plus_aux_losses(causal_lm_loss(&self.forward(tokens), tokens))
+        let counted = counted_targets(tokens, None, None);
+        let lm = self.fused_loss(tokens, None, &counted, None);
+        let lm = lm.unwrap_or_else(|| causal_lm_loss(&self.forward(tokens), tokens));
+        self.plus_aux_losses(lm)
     }
 
     /// The causal-LM loss over the tokens `mask` marks only
     /// ([`causal_lm_loss_masked`]: a completion's, not its prompt's).
     pub fn loss_masked(&self, tokens: &Tensor, mask: &Tensor) -> Tensor {
-        let lm = causal_lm_loss_masked(&self.forward(tokens), tokens, mask);
+        let lm = self.fused_loss(tokens, None, mask, None);
+        let lm = lm.unwrap_or_else(|| causal_lm_loss_masked(&self.forward(tokens), tokens, mask));
         self.plus_aux_losses(lm)
     }
 
@@ -1356,7 +1429,7 @@ pub fn causal_lm_loss(logits: &Tensor, tokens: &Tensor) -> Tensor {
 /// log-probabilities took) and no fp32 copy of the whole matrix. What it
 /// refuses (shapes, targets outside the vocabulary) libtorch's refuses
 /// too, so then that one runs, and raises its own error as before.
-fn cross_entropy(flat: &Tensor, y: &Tensor, mean: bool) -> Tensor {
+pub(crate) fn cross_entropy(flat: &Tensor, y: &Tensor, mean: bool) -> Tensor {
     crate::zero::glue::cross_entropy(flat, y, -100, mean).unwrap_or_else(|e| {
         tracing::warn!("{e}; libtorch's cross-entropy instead");
         let reduction = match mean {

@@ -396,7 +396,8 @@ fn a_forward_holds_what_the_estimate_says_for_its_backward() {
             for recompute in [false, true] {
                 let (vs, model) = built(&c, kind, recompute, None);
                 let (held, loss) = held_by(|| model.loss(&tokens));
-                let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, recompute, None);
+                let want =
+                    held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, (recompute, true), None);
                 assert_eq!(
                     Some(held),
                     want,
@@ -659,7 +660,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                     let trained: Vec<(String, i64)> =
                         trained.map(|(n, t)| (n, t.numel() as i64)).collect();
                     let rows_seq = (ROWS as u64, SEQ as u64);
-                    let want = held_for_backward(&c, rows_seq, kind, recompute, Some(lora));
+                    let want = held_for_backward(&c, rows_seq, kind, (recompute, true), Some(lora));
                     // Adapters on a mixture's router or experts are not
                     // counted, and said so.
                     let on_experts = (trained.iter()).any(|(n, _)| {
@@ -694,26 +695,34 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
 }
 
 #[test]
-fn one_row_keeps_its_logits_as_the_head_made_them() {
-    // One row's predictions are a view of the head's output, which the
-    // loss keeps whole (with more rows it keeps a copy without each
-    // row's last position): checked in each dtype, and against Gemma 2's
-    // capped logits.
+fn the_unfused_loss_keeps_its_logits_as_the_head_made_them() {
+    // Taken whole, one row's predictions are a view of the head's
+    // output, which the loss keeps whole; of more rows it keeps a copy
+    // without each row's last position. Checked in each dtype, against
+    // Gemma 2's capped logits, and beside the fused loss of one row.
     let _t = turn();
     track_allocations().unwrap();
-    let row = tokens().get(0).unsqueeze(0);
     let capped = (COUNTED.iter())
         .find(|(t, extra)| *t == "gemma2" && !extra.contains("null"))
         .expect("a soft-capped Gemma 2 among the counted");
     for &(model_type, extra) in [&COUNTED[0], capped] {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
-            let (vs, model) = built(&c, kind, false, None);
-            let (held, loss) = held_by(|| model.loss(&row));
-            let want = held_for_backward(&c, (1, SEQ as u64), kind, false, None);
-            assert_eq!(Some(held), want, "{model_type} in {kind:?}");
-            loss.backward();
-            assert!(vs.trainable_variables().iter().all(|v| v.grad().defined()));
+            for (rows, fused) in [(1, false), (ROWS, false), (1, true)] {
+                let tokens = tokens().narrow(0, 0, rows);
+                let (vs, model) = built(&c, kind, false, None);
+                model.set_fused_loss(fused);
+                let (held, loss) = held_by(|| model.loss(&tokens));
+                let want =
+                    held_for_backward(&c, (rows as u64, SEQ as u64), kind, (false, fused), None);
+                assert_eq!(
+                    Some(held),
+                    want,
+                    "{model_type} in {kind:?}, {rows} rows, fused {fused}"
+                );
+                loss.backward();
+                assert!(vs.trainable_variables().iter().all(|v| v.grad().defined()));
+            }
         }
     }
 }
@@ -738,7 +747,7 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
             // Between steps the engine holds its state in its own
             // buffers; the forward's gathers are its own memory too.
             let (held, loss) = held_by(|| model.loss(&tokens));
-            let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, false, None);
+            let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, (false, true), None);
             assert_eq!(Some(held), want, "{kind:?}, step {step}");
             engine.backward(&loss).unwrap();
             engine.step().unwrap();
@@ -760,7 +769,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         ("deepseek_v3", wide_values),
     ] {
         assert_eq!(
-            held_for_backward(&c(t, extra), rows_seq, Kind::Float, false, None),
+            held_for_backward(&c(t, extra), rows_seq, Kind::Float, (false, true), None),
             None,
             "{t}{extra}"
         );
@@ -768,7 +777,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let llama = c("llama", "");
     let lora = zrt::lora::LoraConfig::new(8, 16.0, &["q_proj"]);
     let est = |l: &zrt::lora::LoraConfig| {
-        held_for_backward(&llama, rows_seq, Kind::Float, false, Some(l))
+        held_for_backward(&llama, rows_seq, Kind::Float, (false, true), Some(l))
     };
     assert!(est(&lora).is_some());
     // DoRA keeps more; a trained head or token rows are not a layer's
@@ -802,7 +811,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         ),
     ] {
         assert_eq!(
-            held_for_backward(&c(t, extra), rows_seq, Kind::Float, false, None),
+            held_for_backward(&c(t, extra), rows_seq, Kind::Float, (false, true), None),
             None,
             "{t}{extra}"
         );
@@ -814,14 +823,14 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         ("seed_oss", ""),
     ] {
         assert_eq!(
-            held_for_backward(&c(t, dropout), rows_seq, Kind::Float, false, None),
+            held_for_backward(&c(t, dropout), rows_seq, Kind::Float, (false, true), None),
             None,
             "{t}{dropout}"
         );
     }
     // Only the dtypes a model computes in.
     assert_eq!(
-        held_for_backward(&llama, rows_seq, Kind::Int64, false, None),
+        held_for_backward(&llama, rows_seq, Kind::Int64, (false, true), None),
         None
     );
 }

@@ -1245,12 +1245,12 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     let (ok, out) = zrt(&[&base[..], &["--dtype", "fp32"]].concat());
     assert!(
         ok && out
-            .contains("activations: a forward of 1 x 256 tokens in fp32 holds 769.48 MiB a rank"),
+            .contains("activations: a forward of 1 x 256 tokens in fp32 holds 738.23 MiB a rank"),
         "{out}"
     );
-    // The three terms summed: 8.20 GiB, 750 MiB and 769 MiB.
+    // The three terms summed: 8.20 GiB, 750 MiB and 738 MiB.
     assert!(
-        out.contains("stage 3 in all: 9.68 GiB a rank while it trains"),
+        out.contains("stage 3 in all: 9.65 GiB a rank while it trains"),
         "{out}"
     );
     // A config's stage below 3: its model state, the largest unit's
@@ -1258,8 +1258,8 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // activations; at stage 1 the reduced shards too, held to the step
     // beside the whole sum (2.05 GiB).
     for (stage, said) in [
-        (2, "stage 2 in all: 11.48 GiB a rank while it trains"),
-        (1, "stage 1 in all: 15.58 GiB a rank while it trains"),
+        (2, "stage 2 in all: 11.45 GiB a rank while it trains"),
+        (1, "stage 1 in all: 15.55 GiB a rank while it trains"),
     ] {
         let ds = dir.join(format!("ds{stage}.json"));
         let json =
@@ -1279,7 +1279,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     ]
     .concat());
     assert!(
-        ok && out.contains("a forward of 2 x 256 tokens in bf16, each layer recomputed in backward holds 83.24 MiB a rank"),
+        ok && out.contains("a forward of 2 x 256 tokens in bf16, each layer recomputed in backward holds 52.11 MiB a rank"),
         "{out}"
     );
     // A window shorter than the row: twice the tokens keep twice the
@@ -1296,12 +1296,12 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         (
             &mistral,
             "128",
-            "a forward of 1 x 128 tokens in bf16 holds 2.75 MiB",
+            "a forward of 1 x 128 tokens in bf16 holds 2.51 MiB",
         ),
         (
             &mistral,
             "256",
-            "a forward of 1 x 256 tokens in bf16 holds 5.63 MiB",
+            "a forward of 1 x 256 tokens in bf16 holds 5.14 MiB",
         ),
         (&dropout, "128", "activations: not counted for this model"),
     ] {
@@ -1310,10 +1310,12 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // Gemma 3 1B's config, in bf16: its 26 layers each keep 98356
     // bytes a token (four norms keeping their normalized values in fp32,
     // each head's query and key normalised; 112180 when the MLP kept its
-    // activation's output), 624.3 MiB at 256 tokens, besides the rotary tables' 13 MiB and the logits the loss keeps,
-    // 128 MiB over its 262144 words in bf16 (255 MiB when it kept them
-    // in fp32). At 1024 tokens, four times that and the mask its
-    // 22 layers in a window of 512 share (2 MB).
+    // activation's output), 624.3 MiB at 256 tokens, besides the rotary
+    // tables' 13 MiB and the head's input the fused loss keeps. At 1024
+    // tokens, four times that and the mask its 22 layers in a window of
+    // 512 share (2 MB). Unfused, the loss keeps the logits too: 128 MiB
+    // at 256 tokens over its 262144 words in bf16, 512 MiB at 1024 (255
+    // MiB and 1 GiB when it kept them in fp32).
     let gemma3 = hf_config(
         &dir,
         "gemma3",
@@ -1322,23 +1324,28 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     for (seq, said) in [
         (
             "256",
-            "a forward of 1 x 256 tokens in bf16 holds 768.66 MiB a rank",
+            "a forward of 1 x 256 tokens in bf16 holds 640.66 MiB a rank",
         ),
         (
             "1024",
-            "a forward of 1 x 1024 tokens in bf16 holds 3.00 GiB a rank",
+            "a forward of 1 x 1024 tokens in bf16 holds 2.50 GiB a rank",
         ),
     ] {
         estimate_says(
             &gemma3,
             &["--world", "2", "--seq", seq, "--dtype", "bf16"],
-            &[said],
+            &[said, "the head fused with the loss, no logits kept"],
         );
     }
+    estimate_says(
+        &gemma3,
+        &["--world", "2", "--seq", "1024", "--dtype", "bf16", "--unfused-loss"],
+        &["holds 3.00 GiB a rank for its backward (the tensors autograd saves, the logits the loss keeps among them)"],
+    );
     // Phi-3 mini's, LoRA r 8 on PEFT's default for it, the fused
     // `qkv_proj` (8 x (3072 + 9216) a layer, 32 layers). Its values keep
     // the whole fused output, so a layer keeps about 101 kB a token:
-    // 3.15 GiB at 1024 tokens, the logits the loss keeps among them.
+    // 3.10 GiB at 1024 tokens.
     let phi3 = hf_config(
         &dir,
         "phi3",
@@ -1349,7 +1356,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         &["--world", "2", "--seq", "1024", "--dtype", "bf16", "--lora-r", "8"],
         &[
             "LoRA r 8 on qkv_proj: 3145728 adapter params train",
-            "a forward of 1 x 1024 tokens in bf16, LoRA r 8 adapters training holds 3.15 GiB a rank",
+            "a forward of 1 x 1024 tokens in bf16, LoRA r 8 adapters training holds 3.10 GiB a rank",
         ],
     );
     // Mixtral 8x7B's, LoRA r 16 on PEFT's default for it (q_proj and
@@ -1370,7 +1377,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         &mixtral_lora,
         &[
             "LoRA r 16 on q_proj,v_proj: 6815744 adapter params train",
-            "a forward of 1 x 2048 tokens in bf16, LoRA r 16 adapters training holds 11.95 GiB a rank",
+            "a forward of 1 x 2048 tokens in bf16, LoRA r 16 adapters training holds 11.85 GiB a rank",
         ],
     );
     let all_linear = [&mixtral_lora[..], &["--lora-targets", "all-linear"]].concat();
@@ -1394,7 +1401,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     estimate_says(
         &lite,
         &two_ranks,
-        &["a forward of 1 x 2048 tokens in bf16 holds 10.21 GiB a rank"],
+        &["a forward of 1 x 2048 tokens in bf16 holds 9.82 GiB a rank"],
     );
     estimate_says(
         &lite,
@@ -1410,7 +1417,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         .concat(),
         &[
             "LoRA r 16 on q_proj,kv_b_proj,o_proj: 5971968 adapter params train",
-            "stage 3 in all: 22.47 GiB a rank",
+            "stage 3 in all: 22.09 GiB a rank",
         ],
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
@@ -1427,7 +1434,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             r#"{"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "attention_bias": false, "attention_chunk_size": 8192, "attention_dropout": 0.0, "attn_scale": 0.1, "attn_temperature_tuning": 4, "floor_scale": 8192, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "max_position_embeddings": 262144, "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": false, "pad_token_id": 200018, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0, "router_jitter_noise": 0.0, "tie_word_embeddings": false, "use_qk_norm": true, "vocab_size": 202048}"#,
             "8",
             "16384",
-            &["a forward of 1 x 16384 tokens in bf16 holds 187.17 GiB a rank"],
+            &["a forward of 1 x 16384 tokens in bf16 holds 181.00 GiB a rank"],
         ),
         // Apertus's class defaults (8B's width, an MLP 14336 wide): its
         // xIELU keeps its input alone, computed again in backward (its
@@ -1437,7 +1444,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             r#"{"model_type": "apertus", "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}"#,
             "2",
             "4096",
-            &["a forward of 1 x 4096 tokens in bf16 holds 22.54 GiB a rank"],
+            &["a forward of 1 x 4096 tokens in bf16 holds 21.54 GiB a rank"],
         ),
         // LFM2-1.2B's shape: ten short convolutions, each keeping its
         // projection's three widths, their product, the convolution's
@@ -1450,7 +1457,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "4096",
             &[
                 "1170340608 params",
-                "a forward of 1 x 4096 tokens in bf16 holds 7.10 GiB a rank",
+                "a forward of 1 x 4096 tokens in bf16 holds 6.60 GiB a rank",
             ],
         ),
         // DBRX's (132B): its fused query-key-value projection clipped
@@ -1463,7 +1470,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "4096",
             &[
                 "131596523520 params",
-                "a forward of 1 x 4096 tokens in bf16 holds 69.83 GiB a rank",
+                "a forward of 1 x 4096 tokens in bf16 holds 69.06 GiB a rank",
             ],
         ),
         // Falcon-7B's: one key and value (a view of the fused
@@ -1476,7 +1483,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "2048",
             &[
                 "6921720704 params",
-                "a forward of 1 x 2048 tokens in bf16 holds 7.57 GiB a rank",
+                "a forward of 1 x 2048 tokens in bf16 holds 7.32 GiB a rank",
             ],
         ),
     ];
@@ -1487,8 +1494,9 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     }
     // Gemma 2 2B's: its soft-capped scores computed a block of queries
     // at a time and again in backward (one by one they kept 1.63 GiB
-    // more), and the capped logits' tanh (0.49 GiB) beside the capped
-    // logits the loss keeps (0.49 GiB).
+    // more); its capped logits computed in blocks by the fused loss
+    // (unfused, their tanh and the logits the loss keeps were 0.49 GiB
+    // each).
     let gemma2 = hf_config(
         &dir,
         "gemma2",
@@ -1497,12 +1505,12 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     estimate_says(
         &gemma2,
         &["--world", "2", "--seq", "1024", "--dtype", "bf16"],
-        &["a forward of 1 x 1024 tokens in bf16 holds 4.88 GiB a rank"],
+        &["a forward of 1 x 1024 tokens in bf16 holds 3.91 GiB a rank"],
     );
     // OLMo 2 1B's: norms after each sublayer only, the whole queries'
     // and keys' too, their normalized values and the turned heads in
-    // fp32 (~171 kB a layer and token in bf16, 2.37 GiB at 1024 tokens
-    // with the loss's logits, 0.19).
+    // fp32 (~171 kB a layer and token in bf16, 2.18 GiB at 1024 tokens;
+    // the logits the unfused loss keeps would add 0.19).
     let olmo2 = hf_config(
         &dir,
         "olmo2",
@@ -1511,7 +1519,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     estimate_says(
         &olmo2,
         &["--world", "2", "--seq", "1024", "--dtype", "bf16"],
-        &["a forward of 1 x 1024 tokens in bf16 holds 2.37 GiB a rank"],
+        &["a forward of 1 x 1024 tokens in bf16 holds 2.18 GiB a rank"],
     );
     // Widths come from a config, not from a count.
     let (ok, out) = zrt(&[
@@ -1541,8 +1549,8 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         "with 1.100e9 frozen params",
         "stage 3:       2.14 GiB",
         "the largest, `lm_head` (65536000 params, frozen), adds 250.00 MiB",
-        "a forward of 1 x 256 tokens in fp32, LoRA r 16 adapters training holds 677.89 MiB a rank",
-        "stage 3 in all: 3.05 GiB a rank while it trains",
+        "a forward of 1 x 256 tokens in fp32, LoRA r 16 adapters training holds 648.64 MiB a rank",
+        "stage 3 in all: 3.02 GiB a rank while it trains",
     ] {
         assert!(out.contains(said), "{said}: {out}");
     }
@@ -1550,7 +1558,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // own dropped input and its mask, where one input was kept for all.
     let (ok, out) = zrt(&[&base[..], &lora[..], &["--lora-dropout", "0.05"]].concat());
     assert!(
-        ok && out.contains("LoRA r 16 adapters training holds 1.20 GiB a rank"),
+        ok && out.contains("LoRA r 16 adapters training holds 1.18 GiB a rank"),
         "{out}"
     );
     // At stage 2 the frozen model is every rank's, whole (4.10 GiB),
@@ -1558,7 +1566,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     let ds2 = dir.join("ds2.json");
     let (ok, out) = zrt(&[&base[..], &lora[2..], &["--config", ds2.to_str().unwrap()]].concat());
     assert!(
-        ok && out.contains("stage 2 in all: 4.88 GiB a rank while it trains")
+        ok && out.contains("stage 2 in all: 4.85 GiB a rank while it trains")
             && !out.contains("gathers"),
         "{out}"
     );

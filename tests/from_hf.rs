@@ -2829,11 +2829,24 @@ fn numbers(said: &str) -> Vec<f64> {
 /// `transformers`' SGD step on the sum of every counted cross-entropy
 /// over their count (its `Trainer`'s `num_items_in_batch` across
 /// devices), to float rounding, and not the step of the mean of the
-/// micro-batches' means.
+/// micro-batches' means. The same with the head fused with the loss
+/// (`HfModel::loss_over`), the head's unit at stage 3 returning the
+/// loss: Llama's head apart, and Gemma 2's tied to its embeddings with
+/// its logits soft-capped.
 #[test]
 fn a_steps_counted_tokens_weigh_alike_across_micro_batches_and_ranks() {
-    let case = case("llama");
-    let dir = scratch("hf-items");
+    for name in ["llama", "gemma2"] {
+        for fused in [false, true] {
+            counted_tokens_weigh_alike(name, fused);
+        }
+    }
+}
+
+/// [`a_steps_counted_tokens_weigh_alike_across_micro_batches_and_ranks`]
+/// for the case `name`, its loss fused or not.
+fn counted_tokens_weigh_alike(name: &str, fused: bool) {
+    let case = case(name);
+    let dir = scratch(&format!("hf-items-{name}-{fused}"));
     let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
     common::python(&format!(
         r#"{model}
@@ -2865,6 +2878,8 @@ means = stepped(copy.deepcopy(m), False)
 tokens_alike = stepped(m, True)
 out = {{"tokens": tokens, "masks": masks}}
 for k, v in tokens_alike.items():
+    if k == "lm_head.weight" and m.config.tie_word_embeddings:
+        continue
     out["w." + k] = v.contiguous()
     out["means." + k] = means[k].contiguous()
 save_file(out, "{dir}/items.safetensors")
@@ -2902,7 +2917,10 @@ save_file(out, "{dir}/items.safetensors")
         let items = counts.all_reduce(vec![mine], ReduceOp::Sum).wait().unwrap()[0];
         let per = zrt::hf::items_per_micro_step(items, 2, 2);
         for (x, counted) in &micro {
-            let loss = zrt::hf::causal_lm_loss_over(&model.forward(x), x, counted, per);
+            let loss = match fused {
+                true => model.loss_over(x, None, counted, per).unwrap(),
+                false => zrt::hf::causal_lm_loss_over(&model.forward(x), x, counted, per),
+            };
             e.backward(&loss).unwrap();
             e.step().unwrap();
         }
@@ -2918,8 +2936,14 @@ save_file(out, "{dir}/items.safetensors")
         moved = moved.max(diff(&m));
     }
     assert!(params.len() > 10, "{}", params.len());
-    assert!(near < 1e-6, "zrt's step is {near} off transformers'");
-    assert!(moved > 1e-5, "the mean of means is as near: {moved}");
+    assert!(
+        near < 1e-6,
+        "{name}, fused {fused}: zrt's step is {near} off transformers'"
+    );
+    assert!(
+        moved > 1e-5,
+        "{name}: the mean of means is as near: {moved}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

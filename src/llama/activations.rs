@@ -35,8 +35,10 @@ const RNG_STATE_BYTES: u64 = 5056;
 
 /// The bytes a training forward of `rows` rows of `seq` tokens holds for
 /// its backward once the loss is computed: every layer's saved tensors
-/// (with `recompute`, each layer's input alone), the final norm's and
-/// the logits the loss keeps. `kind` is the compute dtype (the
+/// (with `recompute`, each layer's input alone), the final norm's, and
+/// the loss's: with `fused_loss` (the loss methods' default,
+/// [`crate::hf::HfModel::set_fused_loss`]) the head's input and a few
+/// bytes a token, else the logits the loss keeps. `kind` is the compute dtype (the
 /// weights' and activations'; norms and the loss compute in fp32, as the
 /// families' classes do). With `lora`, its adapters train on a frozen
 /// base, as [`crate::lora::freeze_base`] leaves it, its dropout (each
@@ -59,7 +61,7 @@ pub fn held_for_backward(
     c: &LlamaConfig,
     (rows, seq): (u64, u64),
     kind: Kind,
-    recompute: bool,
+    (recompute, fused_loss): (bool, bool),
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
     let experts = countable(c, lora)?;
@@ -173,31 +175,38 @@ pub fn held_for_backward(
         };
         live = out_live;
     }
-    // The final norm (and the head's input, when the head trains); the
-    // logits the loss keeps in the compute dtype (`glue::cross_entropy`:
-    // of one row a view of all of them, of more a copy of every position
-    // but each row's last), its count and scalar; with more than one row,
-    // the targets gathered into one int64 vector.
-    let head = w.norm(live, full) + full as u64 * b * w.h;
+    let logits_live = live || full;
+    // The final norm; the head's input, when the head trains or the
+    // fused loss computes its logits again from it.
+    let head = w.norm(live, full) + (full || (fused_loss && logits_live)) as u64 * b * w.h;
     let final_norm = w.norm_weights(live);
     // Gemma's embeddings are scaled by a one-value tensor of their
     // dtype, which the product keeps when the embeddings train.
     let scale = (full && w.norms == Norms::Offset) as u64 * b;
-    let predicted = rows * seq.saturating_sub(1);
-    let targets = match rows > 1 {
-        true => 8 * predicted,
-        false => 0,
+    let loss = match fused_loss {
+        // `glue::linear_cross_entropy`: one fp32 log-sum-exp and one
+        // int64 target a position, the count and the loss.
+        true => logits_live as u64 * (tokens * 12 + 8),
+        false => logits_kept(c, (rows, seq), b) * logits_live as u64,
     };
-    let logits_live = live || full;
-    let kept = match rows > 1 {
-        true => predicted,
-        false => tokens,
-    };
-    let loss = logits_live as u64 * (kept * b * dims(c.vocab) + 8 + targets);
-    // Gemma 2's cap on the logits keeps its tanh, every position's.
-    let capped = (logits_live && c.final_softcap.is_some()) as u64 * tokens * b * dims(c.vocab);
-    let loss = loss + capped;
     Some(held + mask + chunks + tokens * head + final_norm + scale + loss)
+}
+
+/// What the unfused loss keeps of `rows` rows of `seq` tokens' logits
+/// in `b` bytes a value, with its count and scalar: the logits in the
+/// compute dtype (`glue::cross_entropy`: of one row a view of all of
+/// them, of more a copy of every position but each row's last), with
+/// more than one row the targets gathered into one int64 vector, and
+/// Gemma 2's soft cap's tanh, every position's.
+fn logits_kept(c: &LlamaConfig, (rows, seq): (u64, u64), b: u64) -> u64 {
+    let tokens = rows * seq;
+    let predicted = rows * seq.saturating_sub(1);
+    let (kept, targets) = match rows > 1 {
+        true => (predicted, 8 * predicted),
+        false => (tokens, 0),
+    };
+    let capped = c.final_softcap.is_some() as u64 * tokens * b * dims(c.vocab);
+    kept * b * dims(c.vocab) + 8 + targets + capped
 }
 
 /// The parameters `lora`'s adapters on the model `c` hold (`r` x (in +

@@ -115,6 +115,7 @@ pub use rope_scaling::RopeScaling;
 pub(crate) use rotary::{rope_at, rope_from, Rotary};
 pub use short_conv::{MlpWidth, ShortConvConfig};
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tch::nn::{self, Module};
@@ -124,6 +125,7 @@ use crate::blocks::{Ends, Run, Training};
 use crate::kv_cache::Decoding;
 use crate::lora::{Adapted, LoraConfig};
 use crate::packing::Documents;
+use crate::zero::glue::LogitsAfter;
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 use norm::Norm;
@@ -367,6 +369,9 @@ pub struct Llama {
     head_transform: Option<HeadTransform>,
     training: Training,
     decoding: Arc<Decoding>,
+    /// Whether its losses fuse the head with the cross-entropy
+    /// ([`Llama::set_fused_loss`]; on when built).
+    fused_loss: AtomicBool,
     /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
     /// variants stay alike in size.
     cfg: Box<LlamaConfig>,
@@ -531,6 +536,7 @@ impl Llama {
             head_transform,
             training,
             decoding,
+            fused_loss: AtomicBool::new(true),
             cfg: Box::new(cfg.clone()),
         }
     }
@@ -565,6 +571,84 @@ impl Llama {
     /// As [`Self::forward`], the tokens packed in `documents` when given
     /// ([`crate::hf::HfModel::forward_packed`]).
     pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
+        let x = self.hidden_in(tokens, documents);
+        let logits = self.ends.head(&x);
+        let logits = self
+            .logits_after()
+            .apply(logits, self.tied_head_bias.as_ref());
+        z_loss::record(&self.decoding, &logits, self.cfg.z_loss);
+        logits
+    }
+
+    /// What the model does to its head's product before the loss: CTRL's
+    /// tied head's bias, Granite's `logits_scaling`, Cohere's
+    /// `logit_scale`, Gemma 2's soft cap, in the order its class applies
+    /// them.
+    fn logits_after(&self) -> LogitsAfter {
+        LogitsAfter {
+            bias_after: self.tied_head_bias.is_some(),
+            divide: self.cfg.logits_scaling,
+            multiply: self.cfg.logit_scale,
+            softcap: self.cfg.final_softcap,
+        }
+    }
+
+    /// Turns the fused head and loss on or off ([`Llama::fused_loss`];
+    /// on when built).
+    pub fn set_fused_loss(&self, on: bool) {
+        self.fused_loss.store(on, Ordering::Relaxed);
+    }
+
+    /// The causal-LM loss of `tokens`' predictions whose targets
+    /// `counted` (`[batch, seq]`, nonzero, by the token predicted:
+    /// [`crate::hf::counted_targets`]) marks, the tokens packed in
+    /// `documents` when given: their mean (`mean`; 0 when none counts)
+    /// or sum, in fp32,
+    /// with the head and the cross-entropy fused
+    /// ([`crate::zero::glue::linear_cross_entropy`]): no `[tokens,
+    /// vocab]` logits are held, in forward or backward. `None`, before
+    /// anything runs, when it cannot fuse them: turned off
+    /// ([`Llama::set_fused_loss`]), a z-loss (which reads the logits), a
+    /// LoRA adapter or trainable tokens on the head, a target outside the
+    /// vocabulary. The auxiliary losses are the caller's to add
+    /// ([`Llama::plus_aux_losses`]).
+    pub(crate) fn fused_loss(
+        &self,
+        tokens: &Tensor,
+        documents: Option<Documents>,
+        (counted, mean): (&Tensor, bool),
+    ) -> Option<Tensor> {
+        if !self.fused_loss.load(Ordering::Relaxed) || self.cfg.z_loss > 0.0 {
+            return None;
+        }
+        // Each position predicts the next token; the last predicts none.
+        let t = tokens.size().last().copied().unwrap_or(0);
+        if t < 1 || counted.size() != tokens.size() {
+            return None;
+        }
+        let next = tokens.narrow(-1, 1, t - 1);
+        let next = next.masked_fill(&counted.narrow(-1, 1, t - 1).logical_not(), -100);
+        let last = tokens.narrow(-1, 0, 1).full_like(-100);
+        let targets = Tensor::cat(&[next, last], -1).reshape([-1]);
+        // A mean over nothing is 0, its gradient zeros: the sum's.
+        let mean = mean && targets.ne(-100).any().int64_value(&[]) != 0;
+        let bias = self.tied_head_bias.as_ref();
+        if !self.ends.fuses(&targets, bias) {
+            return None;
+        }
+        let x = self.hidden_in(tokens, documents);
+        let width = x.size().last().copied().unwrap_or(0);
+        let after = self.logits_after();
+        Some(
+            self.ends
+                .head_loss(&x.reshape([-1, width]), (&targets, mean), bias, after),
+        )
+    }
+
+    /// The hidden states the head reads for `tokens`, packed in
+    /// `documents` when given: everything of [`Self::forward_in`] but
+    /// the head and what follows it.
+    fn hidden_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
         self.decoding.set_documents(documents);
         let balance = (self.cfg.moe.as_ref()).and_then(|m| m.balance.map(|c| (c, m.experts)));
         balance::start(&self.decoding, balance, self.decoding.generating());
@@ -662,32 +746,17 @@ impl Llama {
             let dense = self.cfg.activation.apply(&h.dense.forward(&x));
             x = h.norm.forward(&dense);
         }
-        let logits = self.ends.head(&x);
-        let logits = match &self.tied_head_bias {
-            Some(b) => logits + b,
-            None => logits,
-        };
-        let logits = match self.cfg.logits_scaling {
-            1.0 => logits,
-            s => logits / s,
-        };
-        let logits = match self.cfg.logit_scale {
-            1.0 => logits,
-            s => logits * s,
-        };
-        let logits = match self.cfg.final_softcap {
-            Some(cap) => (logits / cap).tanh() * cap,
-            None => logits,
-        };
-        z_loss::record(&self.decoding, &logits, self.cfg.z_loss);
-        logits
+        x
     }
 
     /// `LlamaForCausalLM`'s loss with `labels = tokens`
-    /// ([`crate::hf::causal_lm_loss`]), plus the auxiliary losses its
+    /// ([`crate::hf::causal_lm_loss`]; the head fused with it where
+    /// [`Self::set_fused_loss`] can), plus the auxiliary losses its
     /// config asks for ([`Self::plus_aux_losses`]).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
-        let lm = crate::hf::causal_lm_loss(&self.forward(tokens), tokens);
+        let counted = crate::hf::counted_targets(tokens, None, None);
+        let lm = self.fused_loss(tokens, None, (&counted, true));
+        let lm = lm.unwrap_or_else(|| crate::hf::causal_lm_loss(&self.forward(tokens), tokens));
         self.plus_aux_losses(lm)
     }
 

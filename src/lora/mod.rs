@@ -1190,6 +1190,14 @@ impl Adapted {
         }
     }
 
+    /// Its matrix and bias when it is a plain linear layer (no adapter,
+    /// not ternary): what a fused head and loss may take in its place
+    /// ([`crate::zero::glue::linear_cross_entropy`]).
+    pub(crate) fn plain(&self) -> Option<(&Tensor, Option<&Tensor>)> {
+        let plain = self.adapter.is_none() && !self.ternary;
+        plain.then_some((&self.base.ws, self.base.bs.as_ref()))
+    }
+
     /// The base layer's output: its own, or under [`Adapted::ternary`]
     /// the rounded weights' on the rounded input.
     fn base(&self, x: &Tensor) -> Tensor {

@@ -80,6 +80,13 @@ pub struct EstimateArgs {
     /// kept (`finetune_hf --checkpoint-activations`).
     #[arg(long, requires = "seq")]
     checkpoint_activations: bool,
+    /// With `--seq`: the loss takes the head's logits whole
+    /// (`finetune_hf --unfused-loss`), which it then keeps for backward.
+    /// Without it the head is fused with the loss, as the loss methods
+    /// run it by default (`HfModel::set_fused_loss`), and keeps no
+    /// logits.
+    #[arg(long, requires = "seq")]
+    unfused_loss: bool,
     /// With `--hf-config`: LoRA adapters of this rank train on the frozen
     /// model (`finetune_hf --lora-r`): the adapters are the trained
     /// parameters, the model the frozen ones, and `--seq`'s activations
@@ -421,7 +428,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         let held = activations(
             path,
             (a.micro_batch, seq),
-            (&dtype, a.checkpoint_activations),
+            (&dtype, a.checkpoint_activations, !a.unfused_loss),
             lora.as_ref().map(|(l, _)| l),
         )?;
         if let (Some(held), Some(unit)) = (held, unit) {
@@ -466,7 +473,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
 fn activations(
     path: &std::path::Path,
     (rows, seq): (u64, u64),
-    (dtype, recompute): (&str, bool),
+    (dtype, recompute, fused_loss): (&str, bool, bool),
     lora: Option<&LoraConfig>,
 ) -> Result<Option<u64>> {
     let kind = match dtype {
@@ -482,10 +489,14 @@ fn activations(
         Some(l) => format!("{how}, LoRA r {} adapters training", l.r),
         None => how.to_string(),
     };
-    let held = zrt::hf::held_for_backward(path, (rows, seq), kind, recompute, lora)?;
+    let held = zrt::hf::held_for_backward(path, (rows, seq), kind, (recompute, fused_loss), lora)?;
+    let loss = match fused_loss {
+        true => "the head fused with the loss, no logits kept; `--unfused-loss` counts them",
+        false => "the logits the loss keeps among them",
+    };
     match held {
         Some(b) => println!(
-            "activations: a forward of {rows} x {seq} tokens in {dtype}{how} holds {} a rank for its backward (the tensors autograd saves, the logits the loss keeps among them), on top of the above",
+            "activations: a forward of {rows} x {seq} tokens in {dtype}{how} holds {} a rank for its backward (the tensors autograd saves, {loss}), on top of the above",
             human(b as f64)
         ),
         None => println!(

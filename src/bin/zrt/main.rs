@@ -89,6 +89,8 @@ enum BenchCmd {
     Offload(bench::offload::OffloadArgs),
     /// A Hugging Face config's training step in zrt vs transformers, same weights and tokens.
     Hf(bench::hf::HfArgs),
+    /// A language model's head and loss fused (zrt's default) vs its logits taken whole.
+    Loss(bench::loss::LossArgs),
 }
 
 fn main() -> ExitCode {
@@ -116,6 +118,9 @@ fn main() -> ExitCode {
         Cmd::Bench {
             which: BenchCmd::Hf(a),
         } => bench::hf::run(&a),
+        Cmd::Bench {
+            which: BenchCmd::Loss(a),
+        } => bench::loss::run(&a),
         Cmd::Launch(a) => match launch::run(&a) {
             Ok(code) => return code,
             Err(e) => Err(e),

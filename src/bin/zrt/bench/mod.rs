@@ -8,6 +8,7 @@
 pub mod adam;
 pub mod collectives;
 pub mod hf;
+pub mod loss;
 pub mod offload;
 pub mod peer;
 pub mod plot;

@@ -600,6 +600,11 @@ fn a_benchmark_given_a_count_of_zero_refuses_it() {
         &["train", "--micro", "0"],
         &["train", "--steps", "0"],
         &["train", "--rounds", "0"],
+        &["loss", "--tokens", "0"],
+        &["loss", "--width", "0"],
+        &["loss", "--vocab", "0"],
+        &["loss", "--threads", "0"],
+        &["loss", "--rounds", "0"],
     ] {
         let (ok, out) = zrt(&[&["bench"][..], args].concat());
         let flag = args[1];
@@ -640,6 +645,14 @@ fn a_benchmark_larger_than_the_host_refuses_it_before_allocating() {
             &["offload", "--buffers", "1000000000000"],
             "--buffers 1000000000000",
         ),
+        (
+            &["loss", "--tokens", "100000", "--vocab", "10000000"],
+            "--tokens 100000 --width 1152 --vocab 10000000",
+        ),
+        (
+            &["loss", "--vocab", "9223372036854775807"],
+            "--tokens 512 --width 1152 --vocab 9223372036854775807",
+        ),
     ] {
         let (ok, out) = zrt(&[&["bench"][..], args].concat());
         assert!(
@@ -649,6 +662,32 @@ fn a_benchmark_larger_than_the_host_refuses_it_before_allocating() {
             "{args:?}: {out}"
         );
         assert!(!out.contains("round 1/"), "{args:?} ran: {out}");
+    }
+}
+
+#[test]
+fn the_loss_bench_prints_the_three_ways_with_their_peaks() {
+    // 1024 tokens of a 50000-word vocabulary: seven blocks of 8192
+    // columns. The fused way holds no logits, only a block's: a small
+    // part of the peer's peak.
+    let (ok, out) = zrt(&[
+        "bench", "loss", "--tokens", "1024", "--width", "8", "--vocab", "50000", "--rounds", "1",
+        "--json",
+    ]);
+    assert!(ok, "{out}");
+    let rows: Vec<serde_json::Value> = (out.lines())
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let ways: Vec<&str> = rows.iter().filter_map(|r| r["way"].as_str()).collect();
+    assert_eq!(ways, ["fused", "kept", "fp32"], "{out}");
+    let field = |i: usize, k: &str| rows[i][k].as_f64().unwrap_or(f64::NAN);
+    // The peer's logits, their gradient and log-softmax: 3 x 205 MB.
+    assert!(field(2, "peak_bytes") > 4e8, "{out}");
+    assert!(field(0, "memory_vs_peer") < 0.3, "{out}");
+    assert_eq!(field(2, "ratio_vs_peer"), 1.0, "{out}");
+    for i in 0..3 {
+        assert!((field(i, "loss") - field(2, "loss")).abs() < 1e-4, "{out}");
+        assert!(field(i, "step_s") > 0.0, "{out}");
     }
 }
 

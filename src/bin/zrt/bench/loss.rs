@@ -83,8 +83,28 @@ fn step(way: &str, h: &Tensor, w: &Tensor, y: &Tensor) -> Result<(f64, f64, u64)
     Ok((loss.double_value(&[]), secs, peak))
 }
 
+/// What the run holds at its peak, about: the fp32 matrix, its
+/// gradient and the hidden states' (and the inputs) in fp32, and the
+/// peer's logits with their gradient and fp32 log-softmax; `None` when
+/// the count overflows.
+fn peak_bytes(a: &LossArgs) -> Option<u64> {
+    let (t, w, v) = (a.tokens as u64, a.width as u64, a.vocab as u64);
+    let matrices = v.checked_mul(w)?.checked_mul(2)?;
+    let states = t.checked_mul(w)?.checked_mul(2)?;
+    let logits = t.checked_mul(v)?.checked_mul(3)?;
+    matrices
+        .checked_add(states)?
+        .checked_add(logits)?
+        .checked_mul(4)
+}
+
 /// Runs the benchmark and prints its table (or JSON rows).
 pub fn run(a: &LossArgs) -> Result<()> {
+    let what = format!(
+        "--tokens {} --width {} --vocab {}",
+        a.tokens, a.width, a.vocab
+    );
+    super::check_fits(peak_bytes(a), &what)?;
     track_allocations()?;
     tch::set_num_threads(a.threads);
     let kind = match a.dtype.as_str() {

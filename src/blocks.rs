@@ -474,6 +474,48 @@ impl Ends {
     }
 }
 
+/// Whether a model's loss methods fuse its head with the loss
+/// ([`Ends::head_loss`]; on when built), and the targets they give it.
+#[derive(Debug)]
+pub(crate) struct LossFusing(AtomicBool);
+
+impl Default for LossFusing {
+    fn default() -> Self {
+        Self(AtomicBool::new(true))
+    }
+}
+
+impl LossFusing {
+    /// Turns it on or off.
+    pub(crate) fn set(&self, on: bool) {
+        self.0.store(on, Ordering::Relaxed);
+    }
+
+    /// The targets of `tokens`' (`[batch, seq]`) predictions, flat:
+    /// each position's next token where `counted` (nonzero, by the token
+    /// predicted: [`crate::hf::counted_targets`]) marks it, -100
+    /// elsewhere and at each row's last position, which predicts none;
+    /// and whether to take their mean (`mean`, and some counted: a mean
+    /// over nothing is 0, its gradient zeros, the sum's). `None` when
+    /// it is off or `counted` is not one value a token.
+    pub(crate) fn targets(
+        &self,
+        tokens: &Tensor,
+        (counted, mean): (&Tensor, bool),
+    ) -> Option<(Tensor, bool)> {
+        let t = tokens.size().last().copied().unwrap_or(0);
+        if !self.0.load(Ordering::Relaxed) || t < 1 || counted.size() != tokens.size() {
+            return None;
+        }
+        let next = tokens.narrow(-1, 1, t - 1);
+        let next = next.masked_fill(&counted.narrow(-1, 1, t - 1).logical_not(), -100);
+        let last = tokens.narrow(-1, 0, 1).full_like(-100);
+        let targets = Tensor::cat(&[next, last], -1).reshape([-1]);
+        let mean = mean && targets.ne(-100).any().int64_value(&[]) != 0;
+        Some((targets, mean))
+    }
+}
+
 /// Whether `targets` are int64, one dimension, each in `0..vocab` or -100.
 fn targets_fit(targets: &Tensor, vocab: i64) -> bool {
     if targets.kind() != tch::Kind::Int64 || targets.dim() != 1 {
@@ -530,6 +572,7 @@ pub(crate) struct Decoder<L: Module + 'static> {
     final_norm: tch::nn::LayerNorm,
     training: Training,
     decoding: Arc<Decoding>,
+    fusing: LossFusing,
 }
 
 impl<L: Module + 'static> Decoder<L> {
@@ -567,6 +610,7 @@ impl<L: Module + 'static> Decoder<L> {
             final_norm,
             training,
             decoding,
+            fusing: LossFusing::default(),
         }
     }
 
@@ -589,6 +633,12 @@ impl<L: Module + 'static> Decoder<L> {
         embed_dropout: f64,
         documents: Option<Documents>,
     ) -> Tensor {
+        self.ends
+            .head(&self.hidden(tokens, embed_dropout, documents))
+    }
+
+    /// What the head reads: all of [`Decoder::forward`] but the head.
+    fn hidden(&self, tokens: &Tensor, embed_dropout: f64, documents: Option<Documents>) -> Tensor {
         self.decoding.set_documents(documents);
         let x = self.training.embedding_noise(self.ends.embed(tokens));
         let mut x = self.training.dropout(x, embed_dropout);
@@ -596,7 +646,32 @@ impl<L: Module + 'static> Decoder<L> {
             x = l.forward(&x);
         }
         self.decoding.advance(tokens);
-        self.ends.head(&self.final_norm.forward(&x))
+        self.final_norm.forward(&x)
+    }
+
+    /// Turns the fused head and loss on or off ([`Decoder::fused_loss`]).
+    pub(crate) fn set_fused_loss(&self, on: bool) {
+        self.fusing.set(on);
+    }
+
+    /// The causal-LM loss of `tokens`' predictions `counted` marks (their
+    /// mean, or with `mean` false their sum) with the head fused with it
+    /// ([`Ends::head_loss`]), as [`Decoder::forward`] runs the rest;
+    /// `None`, before anything runs, where it cannot
+    /// ([`LossFusing::targets`], [`Ends::fuses`]).
+    pub(crate) fn fused_loss(
+        &self,
+        tokens: &Tensor,
+        (embed_dropout, documents): (f64, Option<Documents>),
+        counted: (&Tensor, bool),
+    ) -> Option<Tensor> {
+        let (targets, mean) = self.fusing.targets(tokens, counted)?;
+        if !self.ends.fuses(&targets, None) {
+            return None;
+        }
+        let x = self.hidden(tokens, embed_dropout, documents);
+        let x = x.reshape([-1, x.size().last().copied().unwrap_or(0)]);
+        Some((self.ends).head_loss(&x, (&targets, mean), None, LogitsAfter::default()))
     }
 }
 

@@ -450,9 +450,29 @@ impl GptNeox {
     }
 
     /// `GPTNeoXForCausalLM`'s loss with `labels = tokens`
-    /// ([`crate::hf::causal_lm_loss`]).
+    /// ([`crate::hf::causal_lm_loss`]; the head fused with it unless
+    /// [`Self::set_fused_loss`] turned that off).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
-        crate::hf::causal_lm_loss(&self.forward(tokens), tokens)
+        let counted = crate::hf::counted_targets(tokens, None, None);
+        let lm = self.fused_loss(tokens, None, (&counted, true));
+        lm.unwrap_or_else(|| crate::hf::causal_lm_loss(&self.forward(tokens), tokens))
+    }
+
+    /// Turns the fusing of the head with the loss on or off (on when
+    /// built; [`crate::hf::HfModel::set_fused_loss`]).
+    pub fn set_fused_loss(&self, on: bool) {
+        self.decoder.set_fused_loss(on);
+    }
+
+    /// The causal-LM loss of `tokens`' predictions `counted` marks, the
+    /// head fused with it ([`crate::blocks::Decoder::fused_loss`]).
+    pub(crate) fn fused_loss(
+        &self,
+        tokens: &Tensor,
+        documents: Option<Documents>,
+        counted: (&Tensor, bool),
+    ) -> Option<Tensor> {
+        (self.decoder).fused_loss(tokens, (self.cfg.hidden_dropout, documents), counted)
     }
 
     /// The sizes it was built with.

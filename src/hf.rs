@@ -603,15 +603,19 @@ impl HfModel {
     /// methods (`loss`, `loss_masked`, `loss_packed`, `loss_over`): on
     /// when built. Fused, no `[tokens, vocab]` logits are held in forward
     /// or backward ([`crate::zero::glue::linear_cross_entropy`]: the head
-    /// runs a block of rows, then of columns, at a time), at the cost of
-    /// the head's product once more; the loss is the same within fp32's
-    /// rounding. It applies to the Llama-family layouts whose head is a
-    /// plain matrix (no LoRA adapter or trainable tokens on it) and that
-    /// have no z-loss (Bamba's reads the logits); the others, GPT-2,
-    /// GPT-NeoX and Phi, always take the logits whole.
+    /// runs a block of vocabulary columns at a time, in forward and again
+    /// in backward), at the cost of the head's product once more; the
+    /// loss is the same within fp32's rounding. It applies to GPT-NeoX,
+    /// Phi and the Llama-family layouts whose head is a plain matrix (no
+    /// LoRA adapter or trainable tokens on it) and, for the Llama family,
+    /// that have no z-loss (Bamba's reads the logits); GPT-2 always
+    /// takes the logits whole.
     pub fn set_fused_loss(&self, on: bool) {
-        if let Self::Llama(m) = self {
-            m.set_fused_loss(on);
+        match self {
+            Self::Gpt2(_) => {}
+            Self::GptNeox(m) => m.set_fused_loss(on),
+            Self::Phi(m) => m.set_fused_loss(on),
+            Self::Llama(m) => m.set_fused_loss(on),
         }
     }
 
@@ -626,10 +630,14 @@ impl HfModel {
         counted: &Tensor,
         items: Option<f64>,
     ) -> Option<Tensor> {
-        let Self::Llama(m) = self else {
-            return None;
-        };
-        let lm = m.fused_loss(tokens, documents, (counted, items.is_none()))?;
+        let counted = (counted, items.is_none());
+        let lm = match self {
+            // GPT-2's head is its token embedding's own module.
+            Self::Gpt2(_) => None,
+            Self::GptNeox(m) => m.fused_loss(tokens, documents, counted),
+            Self::Phi(m) => m.fused_loss(tokens, documents, counted),
+            Self::Llama(m) => m.fused_loss(tokens, documents, counted),
+        }?;
         Some(match items {
             Some(n) => lm / n,
             None => lm,

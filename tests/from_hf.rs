@@ -2831,11 +2831,12 @@ fn numbers(said: &str) -> Vec<f64> {
 /// devices), to float rounding, and not the step of the mean of the
 /// micro-batches' means. The same with the head fused with the loss
 /// (`HfModel::loss_over`), the head's unit at stage 3 returning the
-/// loss: Llama's head apart, and Gemma 2's tied to its embeddings with
-/// its logits soft-capped.
+/// loss: Llama's head apart, Gemma 2's tied to its embeddings with its
+/// logits soft-capped, GPT-NeoX's (its `embed_out`) and Phi's, with a
+/// bias.
 #[test]
 fn a_steps_counted_tokens_weigh_alike_across_micro_batches_and_ranks() {
-    for name in ["llama", "gemma2"] {
+    for name in ["llama", "gemma2", "gpt-neox", "phi"] {
         for fused in [false, true] {
             counted_tokens_weigh_alike(name, fused);
         }

@@ -115,13 +115,12 @@ pub use rope_scaling::RopeScaling;
 pub(crate) use rotary::{rope_at, rope_from, Rotary};
 pub use short_conv::{MlpWidth, ShortConvConfig};
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tch::nn::{self, Module};
 use tch::Tensor;
 
-use crate::blocks::{Ends, Run, Training};
+use crate::blocks::{Ends, LossFusing, Run, Training};
 use crate::kv_cache::Decoding;
 use crate::lora::{Adapted, LoraConfig};
 use crate::packing::Documents;
@@ -371,7 +370,7 @@ pub struct Llama {
     decoding: Arc<Decoding>,
     /// Whether its losses fuse the head with the cross-entropy
     /// ([`Llama::set_fused_loss`]; on when built).
-    fused_loss: AtomicBool,
+    fusing: LossFusing,
     /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
     /// variants stay alike in size.
     cfg: Box<LlamaConfig>,
@@ -536,7 +535,7 @@ impl Llama {
             head_transform,
             training,
             decoding,
-            fused_loss: AtomicBool::new(true),
+            fusing: LossFusing::default(),
             cfg: Box::new(cfg.clone()),
         }
     }
@@ -596,7 +595,7 @@ impl Llama {
     /// Turns the fused head and loss on or off ([`Llama::fused_loss`];
     /// on when built).
     pub fn set_fused_loss(&self, on: bool) {
-        self.fused_loss.store(on, Ordering::Relaxed);
+        self.fusing.set(on);
     }
 
     /// The causal-LM loss of `tokens`' predictions whose targets
@@ -618,20 +617,10 @@ impl Llama {
         documents: Option<Documents>,
         (counted, mean): (&Tensor, bool),
     ) -> Option<Tensor> {
-        if !self.fused_loss.load(Ordering::Relaxed) || self.cfg.z_loss > 0.0 {
+        if self.cfg.z_loss > 0.0 {
             return None;
         }
-        // Each position predicts the next token; the last predicts none.
-        let t = tokens.size().last().copied().unwrap_or(0);
-        if t < 1 || counted.size() != tokens.size() {
-            return None;
-        }
-        let next = tokens.narrow(-1, 1, t - 1);
-        let next = next.masked_fill(&counted.narrow(-1, 1, t - 1).logical_not(), -100);
-        let last = tokens.narrow(-1, 0, 1).full_like(-100);
-        let targets = Tensor::cat(&[next, last], -1).reshape([-1]);
-        // A mean over nothing is 0, its gradient zeros: the sum's.
-        let mean = mean && targets.ne(-100).any().int64_value(&[]) != 0;
+        let (targets, mean) = self.fusing.targets(tokens, (counted, mean))?;
         let bias = self.tied_head_bias.as_ref();
         if !self.ends.fuses(&targets, bias) {
             return None;

@@ -649,6 +649,18 @@ impl<L: Module + 'static> Decoder<L> {
         self.final_norm.forward(&x)
     }
 
+    /// The causal-LM loss with `labels = tokens`, the head fused with it
+    /// ([`Decoder::fused_loss`]) unless turned off, else of
+    /// [`Decoder::forward`]'s logits ([`crate::hf::causal_lm_loss`]).
+    pub(crate) fn loss(&self, tokens: &Tensor, embed_dropout: f64) -> Tensor {
+        let counted = crate::hf::counted_targets(tokens, None, None);
+        let lm = self.fused_loss(tokens, (embed_dropout, None), (&counted, true));
+        lm.unwrap_or_else(|| {
+            let logits = self.forward(tokens, embed_dropout, None);
+            crate::hf::causal_lm_loss(&logits, tokens)
+        })
+    }
+
     /// Turns the fused head and loss on or off ([`Decoder::fused_loss`]).
     pub(crate) fn set_fused_loss(&self, on: bool) {
         self.fusing.set(on);

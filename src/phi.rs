@@ -455,9 +455,7 @@ impl Phi {
     /// ([`crate::hf::causal_lm_loss`]; the head fused with it unless
     /// [`Self::set_fused_loss`] turned that off).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
-        let counted = crate::hf::counted_targets(tokens, None, None);
-        let lm = self.fused_loss(tokens, None, (&counted, true));
-        lm.unwrap_or_else(|| crate::hf::causal_lm_loss(&self.forward(tokens), tokens))
+        self.decoder.loss(tokens, self.cfg.embd_dropout)
     }
 
     /// Turns the fusing of the head with the loss on or off (on when

@@ -602,8 +602,7 @@ impl Llama {
     /// `counted` (`[batch, seq]`, nonzero, by the token predicted:
     /// [`crate::hf::counted_targets`]) marks, the tokens packed in
     /// `documents` when given: their mean (`mean`; 0 when none counts)
-    /// or sum, in fp32,
-    /// with the head and the cross-entropy fused
+    /// or sum, in fp32, with the head and the cross-entropy fused
     /// ([`crate::zero::glue::linear_cross_entropy`]): no `[tokens,
     /// vocab]` logits are held, in forward or backward. `None`, before
     /// anything runs, when it cannot fuse them: turned off

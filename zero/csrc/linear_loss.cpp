@@ -154,7 +154,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       lse = most + sum.log();
       loss = at::where(counted, lse - picked, at::zeros({}, lse.options())).sum();
     }
-    auto count = targets.ne(ignore).sum().to(fp);
+    auto count = counted.sum().to(fp);
     if (mean) {
       loss = loss / count;
     }

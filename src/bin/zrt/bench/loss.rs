@@ -67,14 +67,14 @@ fn step(way: &str, h: &Tensor, w: &Tensor, y: &Tensor) -> Result<(f64, f64, u64)
     let t = Instant::now();
     let loss = match way {
         "fused" => linear_cross_entropy(h, w, None, y, -100, true, LogitsAfter::default())?,
-        "kept" => cross_entropy(&h.matmul(&w.tr()), y, -100, true)?,
-        _ => (h.matmul(&w.tr()).to_kind(Kind::Float)).cross_entropy_loss::<Tensor>(
+        "kept" => cross_entropy(&h.f_matmul(&w.tr())?, y, -100, true)?,
+        _ => (h.f_matmul(&w.tr())?.f_to_kind(Kind::Float)?).f_cross_entropy_loss::<Tensor>(
             y,
             None,
             tch::Reduction::Mean,
             -100,
             0.0,
-        ),
+        )?,
     };
     let grads = Tensor::run_backward(&[&loss], &[h, w], false, false);
     let secs = t.elapsed().as_secs_f64();

@@ -38,9 +38,9 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// (with `recompute`, each layer's input alone), the final norm's, and
 /// the loss's: with `fused_loss` (the loss methods' default,
 /// [`crate::hf::HfModel::set_fused_loss`]) the head's input and a few
-/// bytes a token, else the logits the loss keeps. `kind` is the compute dtype (the
-/// weights' and activations'; norms and the loss compute in fp32, as the
-/// families' classes do). With `lora`, its adapters train on a frozen
+/// bytes a token, else the logits the loss keeps. `kind` is the compute
+/// dtype (the weights' and activations'; norms and the loss compute in
+/// fp32, as the families' classes do). With `lora`, its adapters train on a frozen
 /// base, as [`crate::lora::freeze_base`] leaves it, its dropout (each
 /// adapter's own dropped input and mask) too.
 ///

@@ -857,10 +857,7 @@ impl<M> ShardedModule<M> {
 
 impl<M: nn::Module> nn::Module for ShardedModule<M> {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        let _running = self.before();
-        let y = self.inner.forward(xs);
-        self.after(xs, &y);
-        y
+        self.forward_with(xs, |m| m.forward(xs))
     }
 }
 
@@ -869,10 +866,7 @@ impl<M: nn::ModuleT> ShardedModule<M> {
     /// usable first (tch gives every `Module` a `ModuleT`; this covers
     /// modules that only implement `ModuleT`, such as ones with dropout).
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        let _running = self.before();
-        let y = self.inner.forward_t(xs, train);
-        self.after(xs, &y);
-        y
+        self.forward_with(xs, |m| m.forward_t(xs, train))
     }
 }
 

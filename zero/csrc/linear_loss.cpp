@@ -184,9 +184,6 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     if (ctx->saved_data["mean"].toBool()) {
       seed = seed / count;
     }
-    // Each row's share of the seed: none for a row not counted.
-    const auto counted = targets.ne(ignore);
-    const auto row_seed = counted.to(fp) * seed;
     // The bias's gradient sums the rows.
     const std::vector<int64_t> over_rows{0};
     if (block >= vocab) {
@@ -210,6 +207,9 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
               at::Tensor(),
               at::Tensor()};
     }
+    // Each row's share of the seed: none for a row not counted.
+    const auto counted = targets.ne(ignore);
+    const auto row_seed = counted.to(fp) * seed;
     auto grad_h = need_h ? at::zeros({rows, h.size(1)}, h.options().dtype(fp)) : at::Tensor();
     auto grad_w = need_w ? at::empty_like(w, at::MemoryFormat::Contiguous) : at::Tensor();
     auto grad_b = need_b ? at::empty_like(b, at::MemoryFormat::Contiguous) : at::Tensor();

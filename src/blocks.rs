@@ -561,13 +561,17 @@ impl Embedding {
     }
 }
 
-/// What GPT-NeoX and Phi wrap the same way: the two ends, the layers
-/// (each a unit of the plan, run plain or checkpointed), a final
+/// What GPT-2, GPT-NeoX and Phi wrap the same way: the two ends, the
+/// layers (each a unit of the plan, run plain or checkpointed), a final
 /// LayerNorm (the root), and the dropout switch the layers share;
-/// forward is embeddings, dropout, layers, norm, head.
+/// forward is embeddings (plus learned positions', GPT-2's), dropout,
+/// layers, norm, head.
 #[derive(Debug)]
 pub(crate) struct Decoder<L: Module + 'static> {
     ends: Ends,
+    /// A learned position embedding added to the tokens' (GPT-2's `wpe`;
+    /// in the root), or none.
+    positions: Option<tch::nn::Embedding>,
     layers: Vec<ShardedModule<Run<L>>>,
     final_norm: tch::nn::LayerNorm,
     training: Training,
@@ -606,11 +610,22 @@ impl<L: Module + 'static> Decoder<L> {
             .collect();
         Self {
             ends: embedding.with_head(plan, head, biased, (lora, &training)),
+            positions: None,
             layers,
             final_norm,
             training,
             decoding,
             fusing: LossFusing::default(),
+        }
+    }
+
+    /// The decoder with `positions` added to the token embeddings, each
+    /// token's row its position (in its document, when packed). Make it
+    /// before the first unit, as the final norm (see [`Decoder::build`]).
+    pub(crate) fn with_positions(self, positions: tch::nn::Embedding) -> Self {
+        Self {
+            positions: Some(positions),
+            ..self
         }
     }
 
@@ -641,6 +656,10 @@ impl<L: Module + 'static> Decoder<L> {
     fn hidden(&self, tokens: &Tensor, embed_dropout: f64, documents: Option<Documents>) -> Tensor {
         self.decoding.set_documents(documents);
         let x = self.training.embedding_noise(self.ends.embed(tokens));
+        let x = match &self.positions {
+            Some(p) => x + p.forward(&self.decoding.positions(tokens)),
+            None => x,
+        };
         let mut x = self.training.dropout(x, embed_dropout);
         for l in &self.layers {
             x = l.forward(&x);

@@ -45,7 +45,8 @@ use tch::nn::{self, Module};
 use tch::Tensor;
 
 use crate::blocks::{
-    fused_causal_attention, layer_norm, token_embedding, Run, TiedEmbedding, Training,
+    fused_causal_attention, layer_norm, token_embedding, Decoder, Embedding, TiedEmbedding,
+    Training,
 };
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::{Decoding, LayerCache};
@@ -291,12 +292,7 @@ impl Module for Block {
 /// the position embedding and the final norm the root.
 #[derive(Debug)]
 pub struct Gpt2 {
-    wte: ShardedModule<TiedEmbedding>,
-    wpe: nn::Embedding,
-    blocks: Vec<ShardedModule<Run<Block>>>,
-    ln_f: nn::LayerNorm,
-    training: Training,
-    decoding: Arc<Decoding>,
+    decoder: Decoder<Block>,
     cfg: Gpt2Config,
 }
 
@@ -349,25 +345,23 @@ impl Gpt2 {
         let ln_f = layer_norm(p / "ln_f", cfg.width, cfg.eps);
         let wte_path = p / "wte";
         let dims = (cfg.vocab, cfg.width);
+        // The tied head: PEFT names the embedding with its prefix.
         let wte = token_embedding(&wte_path, dims, None, (lora, "transformer."));
-        let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));
-        let training = Training::default();
-        let decoding = Decoding::new();
-        let blocks = (0..cfg.layers)
-            .map(|i| {
-                let bp = p / "h" / i;
-                let block = Block::new(&bp, cfg, (&training, &decoding), lora);
-                let run = Run::with_state(block, checkpointed, (&training, &decoding));
-                ShardedModule::new(plan, &bp, run)
-            })
-            .collect();
-        Self {
-            wte,
-            wpe,
-            blocks,
+        let wte = Embedding::Tied(ShardedModule::new(plan, &wte_path, TiedEmbedding(wte)));
+        let block =
+            |bp: &nn::Path, t: &Training, d: &Arc<Decoding>| Block::new(bp, cfg, (t, d), lora);
+        let decoder = Decoder::build(
+            plan,
             ln_f,
-            training,
-            decoding,
+            wte,
+            &(p / "h"),
+            cfg.layers,
+            block,
+            checkpointed,
+            (&(p / "lm_head"), false, lora),
+        );
+        Self {
+            decoder: decoder.with_positions(wpe),
             cfg: *cfg,
         }
     }
@@ -377,22 +371,22 @@ impl Gpt2 {
     /// as `from_pretrained` returns a model in evaluation; Hugging Face's
     /// `Trainer` turns it on to train.
     pub fn set_training(&self, on: bool) {
-        self.training.set(on);
+        self.decoder.training().set(on);
     }
 
     /// Its dropout switch and embedding noise.
     pub(crate) fn training(&self) -> &Training {
-        &self.training
+        self.decoder.training()
     }
 
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
-        self.training.on()
+        self.decoder.training().on()
     }
 
     /// Its blocks' key-value caches (see [`crate::kv_cache`]).
     pub(crate) fn decoding(&self) -> &Decoding {
-        &self.decoding
+        self.decoder.decoding()
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
@@ -404,21 +398,31 @@ impl Gpt2 {
     /// ([`crate::hf::HfModel::forward_packed`]): each token's position
     /// embedding is its position in its document.
     pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
-        self.decoding.set_documents(documents);
-        let pos = self.decoding.positions(tokens);
-        let x = self.training.embedding_noise(self.wte.forward(tokens)) + self.wpe.forward(&pos);
-        let mut x = self.training.dropout(x, self.cfg.embd_dropout);
-        for b in &self.blocks {
-            x = b.forward(&x);
-        }
-        self.decoding.advance(tokens);
-        self.wte.forward(&self.ln_f.forward(&x))
+        (self.decoder).forward(tokens, self.cfg.embd_dropout, documents)
     }
 
     /// `GPT2LMHeadModel`'s loss with `labels = tokens`
-    /// ([`crate::hf::causal_lm_loss`]).
+    /// ([`crate::hf::causal_lm_loss`]; the head fused with it unless
+    /// [`Self::set_fused_loss`] turned that off).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
-        crate::hf::causal_lm_loss(&self.forward(tokens), tokens)
+        self.decoder.loss(tokens, self.cfg.embd_dropout)
+    }
+
+    /// Turns the fusing of the head with the loss on or off (on when
+    /// built; [`crate::hf::HfModel::set_fused_loss`]).
+    pub fn set_fused_loss(&self, on: bool) {
+        self.decoder.set_fused_loss(on);
+    }
+
+    /// The causal-LM loss of `tokens`' predictions `counted` marks, the
+    /// head fused with it ([`crate::blocks::Decoder::fused_loss`]).
+    pub(crate) fn fused_loss(
+        &self,
+        tokens: &Tensor,
+        documents: Option<Documents>,
+        counted: (&Tensor, bool),
+    ) -> Option<Tensor> {
+        (self.decoder).fused_loss(tokens, (self.cfg.embd_dropout, documents), counted)
     }
 
     /// The sizes it was built with.

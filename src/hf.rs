@@ -525,22 +525,29 @@ impl HfModel {
     /// Positions of another shape or type, negative ones, and past
     /// GPT-2's `n_positions` are refused.
     pub fn forward_packed(&self, tokens: &Tensor, positions: &Tensor) -> Result<Tensor, HfError> {
-        let documents = Documents::new(tokens, positions)?;
+        let documents = self.documents(tokens, positions)?;
         Ok(match self {
-            Self::Gpt2(m) => {
-                let most = m.config().positions;
-                if documents.longest > most {
-                    return Err(HfError::Packed(format!(
-                        "a position is {}, past GPT-2's n_positions {most}: its documents are longer than it was trained for",
-                        documents.longest - 1
-                    )));
-                }
-                m.forward_in(tokens, Some(documents))
-            }
+            Self::Gpt2(m) => m.forward_in(tokens, Some(documents)),
             Self::GptNeox(m) => m.forward_in(tokens, Some(documents)),
             Self::Phi(m) => m.forward_in(tokens, Some(documents)),
             Self::Llama(m) => m.forward_in(tokens, Some(documents)),
         })
+    }
+
+    /// The documents `positions` pack `tokens` in ([`Documents::new`]),
+    /// refused past GPT-2's `n_positions`, its position embedding's rows.
+    fn documents(&self, tokens: &Tensor, positions: &Tensor) -> Result<Documents, HfError> {
+        let documents = Documents::new(tokens, positions)?;
+        if let Self::Gpt2(m) = self {
+            let most = m.config().positions;
+            if documents.longest > most {
+                return Err(HfError::Packed(format!(
+                    "a position is {}, past GPT-2's n_positions {most}: its documents are longer than it was trained for",
+                    documents.longest - 1
+                )));
+            }
+        }
+        Ok(documents)
     }
 
     /// The causal-LM loss of [`HfModel::forward_packed`]'s logits, over
@@ -564,7 +571,7 @@ impl HfModel {
             )));
         }
         let counted = counted_targets(tokens, Some(positions), mask);
-        let documents = Documents::new(tokens, positions)?;
+        let documents = self.documents(tokens, positions)?;
         let lm = match self.fused_loss(tokens, Some(documents), &counted, None) {
             Some(lm) => lm,
             None => {
@@ -588,7 +595,7 @@ impl HfModel {
         counted: &Tensor,
         items: f64,
     ) -> Result<Tensor, HfError> {
-        let documents = positions.map(|p| Documents::new(tokens, p)).transpose()?;
+        let documents = positions.map(|p| self.documents(tokens, p)).transpose()?;
         if let Some(lm) = self.fused_loss(tokens, documents, counted, Some(items)) {
             return Ok(lm);
         }
@@ -605,14 +612,13 @@ impl HfModel {
     /// or backward ([`crate::zero::glue::linear_cross_entropy`]: the head
     /// runs a block of vocabulary columns at a time, in forward and again
     /// in backward), at the cost of the head's product once more; the
-    /// loss is the same within fp32's rounding. It applies to GPT-NeoX,
-    /// Phi and the Llama-family layouts whose head is a plain matrix (no
-    /// LoRA adapter or trainable tokens on it) and, for the Llama family,
-    /// that have no z-loss (Bamba's reads the logits); GPT-2 always
-    /// takes the logits whole.
+    /// loss is the same within fp32's rounding. It applies to GPT-2,
+    /// GPT-NeoX, Phi and the Llama-family layouts whose head is a plain
+    /// matrix (no LoRA adapter or trainable tokens on it) and, for the
+    /// Llama family, that have no z-loss (Bamba's reads the logits).
     pub fn set_fused_loss(&self, on: bool) {
         match self {
-            Self::Gpt2(_) => {}
+            Self::Gpt2(m) => m.set_fused_loss(on),
             Self::GptNeox(m) => m.set_fused_loss(on),
             Self::Phi(m) => m.set_fused_loss(on),
             Self::Llama(m) => m.set_fused_loss(on),
@@ -632,8 +638,7 @@ impl HfModel {
     ) -> Option<Tensor> {
         let counted = (counted, items.is_none());
         let lm = match self {
-            // GPT-2's head is its token embedding's own module.
-            Self::Gpt2(_) => None,
+            Self::Gpt2(m) => m.fused_loss(tokens, documents, counted),
             Self::GptNeox(m) => m.fused_loss(tokens, documents, counted),
             Self::Phi(m) => m.fused_loss(tokens, documents, counted),
             Self::Llama(m) => m.fused_loss(tokens, documents, counted),

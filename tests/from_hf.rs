@@ -2832,11 +2832,11 @@ fn numbers(said: &str) -> Vec<f64> {
 /// micro-batches' means. The same with the head fused with the loss
 /// (`HfModel::loss_over`), the head's unit at stage 3 returning the
 /// loss: Llama's head apart, Gemma 2's tied to its embeddings with its
-/// logits soft-capped, GPT-NeoX's (its `embed_out`) and Phi's, with a
-/// bias.
+/// logits soft-capped, GPT-2's tied beside learned positions, GPT-NeoX's
+/// (its `embed_out`) and Phi's, with a bias.
 #[test]
 fn a_steps_counted_tokens_weigh_alike_across_micro_batches_and_ranks() {
-    for name in ["llama", "gemma2", "gpt-neox", "phi"] {
+    for name in ["llama", "gemma2", "gpt2", "gpt-neox", "phi"] {
         for fused in [false, true] {
             counted_tokens_weigh_alike(name, fused);
         }
@@ -2929,9 +2929,19 @@ save_file(out, "{dir}/items.safetensors")
     })
     .remove(0);
     let (mut near, mut moved) = (0.0f64, 0.0f64);
-    for (name, got) in &params {
+    let gpt2 = name == "gpt2";
+    for (param, got) in &params {
         let got = Tensor::from_slice(got);
-        let (w, m) = (get(&format!("w.{name}")), get(&format!("means.{name}")));
+        // GPT-2's names may lack `transformer.`; its Conv1D matrices are
+        // `[in, out]` in the file.
+        let hf = match gpt2 && !param.starts_with("transformer.") {
+            true => format!("transformer.{param}"),
+            false => param.clone(),
+        };
+        let (w, m) = (get(&format!("w.{hf}")), get(&format!("means.{hf}")));
+        let conv1d = gpt2 && zrt::gpt2::is_conv1d_weight(param);
+        let zrts = |t: Tensor| if conv1d { t.tr() } else { t };
+        let (w, m) = (zrts(w), zrts(m));
         let diff = |t: &Tensor| (&got - t.flatten(0, -1)).abs().max().double_value(&[]);
         near = near.max(diff(&w));
         moved = moved.max(diff(&m));

@@ -4135,26 +4135,33 @@ save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
                 .collect();
             let first = Vec::<f32>::try_from(first.flatten(0, -1)).unwrap();
             // A mask of another shape, and positions past GPT-2's
-            // n_positions (32 here), are refused.
+            // n_positions (32 here), are refused: by the forward, and
+            // by the losses, whose head is fused.
             let short = Tensor::ones([MICRO, SEQ - 1], (tch::Kind::Int64, tch::Device::Cpu));
+            let past = &p + 30;
+            let counted = zrt::hf::counted_targets(&x, Some(&past), None);
             let refused = [
                 model.loss_packed(&x, &p, Some(&short)).map(|_| ()),
-                model.forward_packed(&x, &(&p + 30)).map(|_| ()),
+                model.forward_packed(&x, &past).map(|_| ()),
+                model.loss_packed(&x, &past, None).map(|_| ()),
+                model.loss_over(&x, Some(&past), &counted, 1.0).map(|_| ()),
             ]
             .map(|r| r.err().map(|e| e.to_string()));
             (ints(made), first, losses, refused)
         };
-        let [mask, past] = &refused;
+        let [mask, pasts @ ..] = &refused;
         let mask = mask.as_deref().unwrap_or_default();
         assert!(
             mask.contains("a mask [2, 15] for tokens [2, 16]"),
             "{name}: {mask}"
         );
-        match (name, past) {
-            ("gpt2", Some(e)) => assert!(e.contains("past GPT-2's n_positions 32"), "{e}"),
-            ("gpt2", None) => panic!("gpt2: positions past n_positions ran"),
-            (_, Some(e)) => panic!("{name}: {e}"),
-            (_, None) => {}
+        for past in pasts {
+            match (name, past) {
+                ("gpt2", Some(e)) => assert!(e.contains("past GPT-2's n_positions 32"), "{e}"),
+                ("gpt2", None) => panic!("gpt2: positions past n_positions ran"),
+                (_, Some(e)) => panic!("{name}: {e}"),
+                (_, None) => {}
+            }
         }
         assert_eq!(made, positions, "{name}: document_positions");
         let (logits, plain) = (get("logits"), get("plain"));

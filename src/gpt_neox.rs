@@ -52,6 +52,8 @@ use crate::lora::{Adapted, LoraConfig};
 use crate::packing::Documents;
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
+pub use crate::llama::activations::gpt_neox::{adapter_params, held_for_backward};
+
 /// Sizes of a [`GptNeox`], Hugging Face's `GPTNeoXConfig` fields.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GptNeoxConfig {

@@ -257,8 +257,9 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
 /// computed, in the compute dtype `kind`, each layer recomputed in
 /// backward or not and the head fused with the loss or not (`keeping`;
 /// [`HfModel::set_fused_loss`]), the whole model training or `lora`'s
-/// adapters ([`crate::llama::held_for_backward`]: what `zrt estimate
-/// --seq` prints); `None` for the models whose saved tensors it does not
+/// adapters ([`crate::llama::held_for_backward`],
+/// [`crate::gpt_neox::held_for_backward`]: what `zrt estimate --seq`
+/// prints); `None` for the models whose saved tensors it does not
 /// count.
 pub fn held_for_backward(
     config: impl AsRef<Path>,
@@ -269,12 +270,14 @@ pub fn held_for_backward(
 ) -> Result<Option<u64>, HfError> {
     Ok(match counted_layout(config.as_ref())? {
         Layout::Llama(c) => crate::llama::held_for_backward(&c, rows_seq, kind, keeping, lora),
+        Layout::GptNeox(c) => crate::gpt_neox::held_for_backward(&c, rows_seq, kind, keeping, lora),
         _ => None,
     })
 }
 
 /// The parameters `lora`'s adapters hold on the model `config`
-/// describes ([`crate::llama::adapter_params`]); `None` for the models
+/// describes ([`crate::llama::adapter_params`],
+/// [`crate::gpt_neox::adapter_params`]); `None` for the models
 /// it does not count.
 pub fn adapter_params(
     config: impl AsRef<Path>,
@@ -282,6 +285,7 @@ pub fn adapter_params(
 ) -> Result<Option<u64>, HfError> {
     Ok(match counted_layout(config.as_ref())? {
         Layout::Llama(c) => crate::llama::adapter_params(&c, lora),
+        Layout::GptNeox(c) => crate::gpt_neox::adapter_params(&c, lora),
         _ => None,
     })
 }

@@ -694,6 +694,98 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     }
 }
 
+/// GPT-NeoX's layers (Pythia's): side by side after a LayerNorm each,
+/// a quarter of each head turned, and one after the other, all of each
+/// head turned and no attention biases; the head apart, and tied.
+const GPT_NEOX: &[&str] = &[
+    "",
+    r#", "use_parallel_residual": false, "rotary_pct": 1.0, "attention_bias": false"#,
+    r#", "rotary_pct": 0.5, "tie_word_embeddings": true"#,
+];
+
+#[test]
+fn gpt_neox_holds_what_the_estimate_says() {
+    // Whole, recomputed and with the logits whole, in each dtype; under
+    // LoRA on every matrix, on the last alone (nothing below it needs a
+    // gradient), and with dropout on one layer of three.
+    use zrt::gpt_neox::{adapter_params, held_for_backward, GptNeox, GptNeoxConfig};
+    use zrt::lora::LoraConfig;
+    let _t = turn();
+    track_allocations().unwrap();
+    let tokens = tokens();
+    let every = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"];
+    let loras = [
+        None,
+        Some(LoraConfig::new(8, 16.0, &every)),
+        Some(LoraConfig::new(4, 8.0, &["dense_4h_to_h"])),
+        Some(LoraConfig {
+            layers_to_transform: vec![1],
+            dropout: 0.1,
+            ..LoraConfig::new(8, 16.0, &["query_key_value", "dense_h_to_4h"])
+        }),
+    ];
+    let rows_seq = (ROWS as u64, SEQ as u64);
+    for extra in GPT_NEOX {
+        let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", extra)).unwrap();
+        for lora in &loras {
+            for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+                for (recompute, fused) in [(false, true), (true, true), (false, false)] {
+                    let (mut vs, model) = seeded(|| {
+                        let vs = nn::VarStore::new(Device::Cpu);
+                        let (root, plan) = (vs.root(), ShardPlan::new());
+                        let m = match (lora, recompute) {
+                            (Some(l), _) => GptNeox::with_lora(&root, &plan, &c, l, recompute),
+                            (None, true) => GptNeox::new_checkpointed(&root, &plan, &c),
+                            (None, false) => GptNeox::new(&root, &plan, &c),
+                        };
+                        (vs, m)
+                    });
+                    if let Some(l) = lora {
+                        zrt::lora::freeze_base(&vs, l).unwrap();
+                        let trained = (vs.variables().values())
+                            .filter(|t| t.requires_grad())
+                            .map(|t| t.numel() as u64)
+                            .sum();
+                        assert_eq!(adapter_params(&c, l), Some(trained), "{extra} {l:?}");
+                    }
+                    match kind {
+                        Kind::BFloat16 => vs.bfloat16(),
+                        Kind::Half => vs.half(),
+                        _ => {}
+                    }
+                    model.set_training(true);
+                    model.set_fused_loss(fused);
+                    let (held, loss) = held_by(|| model.loss(&tokens));
+                    let want =
+                        held_for_backward(&c, rows_seq, kind, (recompute, fused), lora.as_ref());
+                    assert_eq!(
+                        Some(held),
+                        want,
+                        "gpt_neox{extra} in {kind:?} under {:?}, recomputing: {recompute}, fused: {fused}",
+                        lora.as_ref().map(|l| (&l.target_modules, &l.layers_to_transform))
+                    );
+                    loss.backward();
+                }
+            }
+        }
+    }
+    // Its dropouts save masks, not counted; nor is a trained head.
+    for dropout in [
+        r#", "hidden_dropout": 0.1"#,
+        r#", "attention_dropout": 0.1"#,
+    ] {
+        let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", dropout)).unwrap();
+        assert_eq!(
+            held_for_backward(&c, rows_seq, Kind::Float, (false, true), None),
+            None
+        );
+    }
+    let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", "")).unwrap();
+    let head = LoraConfig::new(8, 16.0, &["dense", "embed_out"]);
+    let est = held_for_backward(&c, rows_seq, Kind::Float, (false, true), Some(&head));
+    assert_eq!((est, adapter_params(&c, &head)), (None, None));
+}
+
 #[test]
 fn the_unfused_loss_keeps_its_logits_as_the_head_made_them() {
     // Taken whole, one row's predictions are a view of the head's

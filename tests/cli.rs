@@ -1461,7 +1461,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 5] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 6] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1523,6 +1523,20 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "6921720704 params",
                 "a forward of 1 x 2048 tokens in bf16 holds 7.32 GiB a rank",
+            ],
+        ),
+        // Pythia-1.4B's (GPT-NeoX): each head's query, key and value
+        // one projection (the values, views of it, keep it whole), a
+        // quarter of each head turned, the MLP beside the attention
+        // after a LayerNorm of its own.
+        (
+            "pythia-1.4b",
+            r#"{"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_act": "gelu", "hidden_size": 2048, "intermediate_size": 8192, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048, "num_attention_heads": 16, "num_hidden_layers": 24, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": false, "use_parallel_residual": true, "vocab_size": 50304}"#,
+            "2",
+            "2048",
+            &[
+                "1414647808 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 3.22 GiB a rank",
             ],
         ),
     ];

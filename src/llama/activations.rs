@@ -11,7 +11,8 @@
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
 //! and queries grown with their position; Apertus's xIELU; LFM2's short
 //! convolutions), the whole model training or LoRA's adapters on a
-//! frozen base; and those adapters' parameters.
+//! frozen base; and those adapters' parameters. GPT-NeoX's layers are
+//! counted in the same terms ([`gpt_neox`]).
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
 //! to what libtorch allocates, to the byte.
 //!
@@ -22,6 +23,8 @@
 //! ("live" below): with a frozen base, the residual stream before the
 //! first adapter needs none, and a frozen norm keeps no normalized
 //! values.
+
+pub(crate) mod gpt_neox;
 
 use tch::Kind;
 
@@ -68,11 +71,7 @@ pub fn held_for_backward(
     if c.attention_dropout > 0.0 || c.resid_dropout > 0.0 || c.embedding_dropout > 0.0 {
         return None;
     }
-    let b = match kind {
-        Kind::Float => 4,
-        Kind::BFloat16 | Kind::Half => 2,
-        _ => return None,
-    };
+    let b = bytes_of(kind)?;
     let w = Widths {
         b,
         h: dims(c.hidden),
@@ -165,48 +164,70 @@ pub fn held_for_backward(
         if chunked && !recompute && attended_in(live, full, &ranks) {
             chunks = seq * seq * b;
         }
-        held += match recompute {
-            // The layer's input, its one saved tensor, and the generator
-            // state to recompute it with; nothing where no gradient
-            // reaches or leaves it (it runs as a plain forward then).
-            true if live || trains => tokens * b * w.h + RNG_STATE_BYTES,
-            true => 0,
-            false => tokens * per_token + seq * per_position + per_forward,
-        };
+        held += w.layer_held(recompute, (live, trains), tokens, || {
+            tokens * per_token + seq * per_position + per_forward
+        });
         live = out_live;
     }
-    let logits_live = live || full;
-    // The final norm; the head's input, when the head trains or the
-    // fused loss computes its logits again from it.
-    let head = w.norm(live, full) + (full || (fused_loss && logits_live)) as u64 * b * w.h;
-    let final_norm = w.norm_weights(live);
     // Gemma's embeddings are scaled by a one-value tensor of their
     // dtype, which the product keeps when the embeddings train.
     let scale = (full && w.norms == Norms::Offset) as u64 * b;
+    let vocab = (dims(c.vocab), c.final_softcap.is_some());
+    let kept = logits_kept((rows, seq), b, vocab);
+    Some(held + mask + chunks + scale + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
+}
+
+/// The bytes of a value of the compute dtype `kind`; `None` for a dtype
+/// no model computes in.
+fn bytes_of(kind: Kind) -> Option<u64> {
+    match kind {
+        Kind::Float => Some(4),
+        Kind::BFloat16 | Kind::Half => Some(2),
+        _ => None,
+    }
+}
+
+/// What the layers leave after them for `tokens` tokens: the final norm's,
+/// the head's input and the loss's (`kept`: the logits the unfused loss
+/// keeps, [`logits_kept`]; with `fused_loss` a few bytes a token), given
+/// whether the last layer's output needs a gradient (`live`) and the
+/// whole model trains (`full`).
+fn kept_for_head(
+    w: &Widths,
+    tokens: u64,
+    (live, full): (bool, bool),
+    (fused_loss, kept): (bool, u64),
+) -> u64 {
+    let logits_live = live || full;
+    // The final norm; the head's input, when the head trains or the
+    // fused loss computes its logits again from it.
+    let head = w.norm(live, full) + (full || (fused_loss && logits_live)) as u64 * w.b * w.h;
+    let final_norm = w.norm_weights(live);
     let loss = match fused_loss {
         // `glue::linear_cross_entropy`: one fp32 log-sum-exp and one
         // int64 target a position, the count and the loss.
         true => logits_live as u64 * (tokens * 12 + 8),
-        false => logits_kept(c, (rows, seq), b) * logits_live as u64,
+        false => kept * logits_live as u64,
     };
-    Some(held + mask + chunks + tokens * head + final_norm + scale + loss)
+    tokens * head + final_norm + loss
 }
 
 /// What the unfused loss keeps of `rows` rows of `seq` tokens' logits
-/// in `b` bytes a value, with its count and scalar: the logits in the
-/// compute dtype (`glue::cross_entropy`: of one row a view of all of
-/// them, of more a copy of every position but each row's last), with
-/// more than one row the targets gathered into one int64 vector, and
-/// Gemma 2's soft cap's tanh, every position's.
-fn logits_kept(c: &LlamaConfig, (rows, seq): (u64, u64), b: u64) -> u64 {
+/// of a `vocab` in `b` bytes a value, with its count and scalar: the
+/// logits in the compute dtype (`glue::cross_entropy`: of one row a view
+/// of all of them, of more a copy of every position but each row's
+/// last), with more than one row the targets gathered into one int64
+/// vector, and, when `capped`, Gemma 2's soft cap's tanh, every
+/// position's.
+fn logits_kept((rows, seq): (u64, u64), b: u64, (vocab, capped): (u64, bool)) -> u64 {
     let tokens = rows * seq;
     let predicted = rows * seq.saturating_sub(1);
     let (kept, targets) = match rows > 1 {
         true => (predicted, 8 * predicted),
         false => (tokens, 0),
     };
-    let capped = c.final_softcap.is_some() as u64 * tokens * b * dims(c.vocab);
-    kept * b * dims(c.vocab) + 8 + targets + capped
+    let capped = capped as u64 * tokens * b * vocab;
+    kept * b * vocab + 8 + targets + capped
 }
 
 /// The parameters `lora`'s adapters on the model `c` hold (`r` x (in +
@@ -255,9 +276,10 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 }
 
 /// The families whose layers [`held_for_backward`] and
-/// [`adapter_params`] count (`counted`'s), as messages name them.
+/// [`adapter_params`] count (`counted`'s), and GPT-NeoX, whose
+/// [`crate::gpt_neox::held_for_backward`] counts, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW) and GPT-OSS";
+    "GPT-NeoX (Pythia), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW) and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -297,7 +319,7 @@ fn gated(c: &LlamaConfig) -> bool {
 /// plain one with no adapter on it. `None` where they do not count;
 /// else the mixture, if the model has one.
 fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Experts>> {
-    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l)) {
+    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l, ("lm_head", "model.embed_tokens"))) {
         return None;
     }
     let Some(m) = &c.moe else {
@@ -380,7 +402,7 @@ fn counted(c: &LlamaConfig) -> bool {
 
 /// Whether only the layers' adapters train under `l`, with nothing that
 /// saves more than this module counts.
-fn adapters_alone(l: &LoraConfig) -> bool {
+fn adapters_alone(l: &LoraConfig, (head, embedding): (&str, &str)) -> bool {
     !l.use_dora
         && !l.train_biases
         && !l.lora_bias
@@ -388,8 +410,8 @@ fn adapters_alone(l: &LoraConfig) -> bool {
         && l.trainable_token_indices.is_empty()
         && l.trainable_tokens_modules.is_empty()
         && l.target_parameters.is_empty()
-        && !l.targets_by_name("lm_head")
-        && !l.targets_by_name("model.embed_tokens")
+        && !l.targets_by_name(head)
+        && !l.targets_by_name(embedding)
 }
 
 /// A layer's mixture of experts (Mixtral's, Qwen3-MoE's, OLMoE's,
@@ -970,6 +992,25 @@ struct Eager {
 }
 
 impl Widths {
+    /// What a layer holds for `tokens` tokens: with `recompute` its
+    /// input, its one saved tensor, and the generator state to recompute
+    /// it with, nothing where no gradient reaches (`live`) or leaves it
+    /// (`trains`: it runs as a plain forward then); else what it keeps
+    /// (`kept`).
+    fn layer_held(
+        &self,
+        recompute: bool,
+        (live, trains): (bool, bool),
+        tokens: u64,
+        kept: impl FnOnce() -> u64,
+    ) -> u64 {
+        match recompute {
+            true if live || trains => tokens * self.b * self.h + RNG_STATE_BYTES,
+            true => 0,
+            false => kept(),
+        }
+    }
+
     /// Whether the readers of one tensor keep it as it is: the base's
     /// matrix where it trains (`base`), or an adapter of `ranks` (0
     /// where there is none) without LoRA's dropout.

@@ -49,7 +49,7 @@
 //! tch's `nn::Optimizer` takes dense gradients only, so train the model
 //! with the engine (any stage, one rank too).
 
-mod activations;
+pub(crate) mod activations;
 pub(crate) mod balance;
 pub(crate) mod bare;
 mod bloom;
@@ -592,8 +592,8 @@ impl Llama {
         }
     }
 
-    /// Turns the fused head and loss on or off ([`Llama::fused_loss`];
-    /// on when built).
+    /// Turns the fusing of the head with the loss on or off (on when
+    /// built; [`crate::hf::HfModel::set_fused_loss`]).
     pub fn set_fused_loss(&self, on: bool) {
         self.fusing.set(on);
     }

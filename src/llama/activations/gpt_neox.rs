@@ -1,0 +1,130 @@
+//! What GPT-NeoX's layers (Pythia's, [`crate::gpt_neox`]) leave for their
+//! backward, in the terms the Llama family's count uses: LayerNorms, one
+//! projection of each head's query, key and value side by side (the
+//! values a view of it, which the attention keeps whole), a part of each
+//! head turned, an ungated GELU MLP, and the two sublayers side by side
+//! after a LayerNorm each (`use_parallel_residual`, Falcon 40B's) or one
+//! after the other.
+
+use tch::Kind;
+
+use super::{
+    adapters_alone, bytes_of, dims, kept_for_head, logits_kept, Norms, QkNorm, Ranks, Widths,
+};
+use crate::gpt_neox::GptNeoxConfig;
+use crate::lora::LoraConfig;
+
+/// The names PEFT gives GPT-NeoX's embedding and head.
+const ENDS: (&str, &str) = ("embed_out", "gpt_neox.embed_in");
+
+/// The bytes a training forward of `rows` rows of `seq` tokens of the
+/// GPT-NeoX model `c` holds for its backward once the loss is computed,
+/// as [`crate::llama::held_for_backward`] counts a Llama-family model's:
+/// each layer's saved tensors (with `recompute`, its input alone), the
+/// final norm's and the loss's (`fused_loss`: the head fused with it),
+/// `kind` the compute dtype, the whole model training or `lora`'s
+/// adapters on a frozen base. `None` with a dropout of the model's
+/// (`attention_dropout`, `hidden_dropout`: each saves its mask), and
+/// under LoRA with more than the layers' adapters training.
+pub fn held_for_backward(
+    c: &GptNeoxConfig,
+    (rows, seq): (u64, u64),
+    kind: Kind,
+    (recompute, fused_loss): (bool, bool),
+    lora: Option<&LoraConfig>,
+) -> Option<u64> {
+    if c.attention_dropout > 0.0 || c.hidden_dropout > 0.0 {
+        return None;
+    }
+    if lora.is_some_and(|l| !adapters_alone(l, ENDS)) {
+        return None;
+    }
+    let w = widths(c, bytes_of(kind)?, rows, lora);
+    let tokens = rows * seq;
+    let full = lora.is_none();
+    let mut live = full;
+    let mut held = 0;
+    for layer in 0..c.layers.max(0) {
+        let ranks = lora.map_or_else(Ranks::default, |l| ranks(l, layer));
+        let trains = full || ranks.any();
+        let (per_token, per_position, per_forward, out_live) =
+            w.layer((live, full), &ranks, None, (true, None));
+        held += w.layer_held(recompute, (live, trains), tokens, || {
+            tokens * per_token + seq * per_position + per_forward
+        });
+        live = out_live;
+    }
+    let kept = logits_kept((rows, seq), w.b, (dims(c.vocab), false));
+    Some(held + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
+}
+
+/// The parameters `lora`'s adapters on `c`'s layers hold (`r` x (in +
+/// out) each); `None` where more than the layers' adapters trains.
+pub fn adapter_params(c: &GptNeoxConfig, lora: &LoraConfig) -> Option<u64> {
+    if !adapters_alone(lora, ENDS) {
+        return None;
+    }
+    let (h, i) = (dims(c.hidden), dims(c.intermediate));
+    let per_layer = |r: &Ranks| r.qkv * (h + 3 * h) + r.o * 2 * h + (r.up + r.down) * (h + i);
+    Some(
+        (0..c.layers.max(0))
+            .map(|l| per_layer(&ranks(lora, l)))
+            .sum(),
+    )
+}
+
+/// `c`'s layer's widths in bytes of `b`, over `rows` rows.
+fn widths(c: &GptNeoxConfig, b: u64, rows: u64, lora: Option<&LoraConfig>) -> Widths {
+    let (h, heads) = (dims(c.hidden), dims(c.heads));
+    Widths {
+        b,
+        h,
+        i: dims(c.intermediate),
+        q: h,
+        kv: h,
+        d: dims(c.head_dim()),
+        rd: dims(c.rotary_dim()),
+        heads,
+        kv_heads: heads,
+        qk_norm: QkNorm::None,
+        norms: Norms::Layer,
+        sandwich: false,
+        pre_norms: true,
+        // Each head's query, key and value are views of one output: the
+        // turned queries and keys are tensors of their own, the values
+        // keep the whole output.
+        views: true,
+        gated: false,
+        fp32_rope: false,
+        l2_norm: false,
+        temperature: false,
+        clipped: false,
+        // Side by side, each sublayer after a LayerNorm of its own.
+        parallel: c.parallel_residual,
+        two_norms: c.parallel_residual,
+        eager: None,
+        latent: None,
+        dropout: lora.is_some_and(|l| l.dropout > 0.0),
+        xielu: false,
+        rows,
+    }
+}
+
+/// The ranks of `l`'s adapters on GPT-NeoX's layer `layer`: its fused
+/// `query_key_value`, `dense`, and the MLP's two matrices.
+fn ranks(l: &LoraConfig, layer: i64) -> Ranks {
+    let rank = |module: &str| {
+        let name = format!("gpt_neox.layers.{layer}.{module}");
+        match l.targets(&name) {
+            true => l.rank_of(&name).max(0) as u64,
+            false => 0,
+        }
+    };
+    Ranks {
+        qkv: rank("attention.query_key_value"),
+        o: rank("attention.dense"),
+        up: rank("mlp.dense_h_to_4h"),
+        down: rank("mlp.dense_4h_to_h"),
+        ..Ranks::default()
+    }
+}

@@ -315,12 +315,7 @@ impl Activation {
             Self::Xielu => super::xielu::initial(x),
             Self::Gelu => x.gelu("none"),
             Self::GeluTanh => x.gelu("tanh"),
-            // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
-            Self::GeluNew => {
-                let inner =
-                    (x + x.pow_tensor_scalar(3.0) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
-                (x * 0.5) * (inner.tanh() + 1.0)
-            }
+            Self::GeluNew => super::glu::gelu_new(x),
         }
     }
 }

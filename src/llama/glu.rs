@@ -13,7 +13,10 @@
 //!
 //! GPT-OSS's experts' activation goes the same way from their biased
 //! gate-and-up product ([`clamped`]), keeping that product alone where
-//! its clamps, sigmoid and factors kept four more tensors as wide.
+//! its clamps, sigmoid and factors kept four more tensors as wide; and
+//! `gelu_new` ([`gelu_new`]), written out in five operations as
+//! `transformers` writes it, keeps its input alone where those kept
+//! four tensors as wide.
 
 use tch::Tensor;
 
@@ -54,6 +57,27 @@ pub(super) fn clamped(gate_up: &Tensor) -> Tensor {
         tracing::warn!("{e}: GPT-OSS's activation keeps its clamps and factors");
         clamped_plainly(gate_up)
     })
+}
+
+/// `gelu_new` as `NewGELUActivation` computes it, `0.5 x (1 +
+/// tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`, operation by operation (its
+/// bits, not libtorch's fused tanh GELU's), keeping `x` alone for
+/// backward when it needs a gradient: plainly, the tanh's output, its
+/// sum with 1 and half of `x` were kept beside `x`.
+pub(super) fn gelu_new(x: &Tensor) -> Tensor {
+    if !x.requires_grad() {
+        return gelu_new_plainly(x);
+    }
+    glue::checkpoint_without_draws(&[x], |x| Ok(gelu_new_plainly(&x[0]))).unwrap_or_else(|e| {
+        tracing::warn!("{e}: gelu_new keeps its intermediate values");
+        gelu_new_plainly(x)
+    })
+}
+
+/// [`gelu_new`], keeping what autograd keeps.
+fn gelu_new_plainly(x: &Tensor) -> Tensor {
+    let inner = (x + x.pow_tensor_scalar(3.0) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
+    (x * 0.5) * (inner.tanh() + 1.0)
 }
 
 /// [`clamped`], operation by operation as `transformers` computes it.
@@ -104,6 +128,13 @@ mod tests {
         assert!(got.equal(&want));
         assert!(wg[0].equal(&gg[0]));
         // The clamps bind: some of the gradient is zero.
-        assert!(gg[0].eq(0.0).any().int64_value(&[]) == 1);
+        assert!(gg[0].eq(0.0).any().int64_value(&[]) == 1); // gelu_new, in fp32 and bf16.
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let xs = [x().detach().to_kind(kind).set_requires_grad(true)];
+            let seed = seed.to_kind(kind);
+            let (want, wg) = run(|x| gelu_new_plainly(&x[0]), &xs, &seed);
+            let (got, gg) = run(|x| gelu_new(&x[0]), &xs, &seed);
+            assert!(got.equal(&want) && wg[0].equal(&gg[0]), "{kind:?}");
+        }
     }
 }

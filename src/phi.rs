@@ -50,6 +50,8 @@ use crate::lora::{Adapted, LoraConfig};
 use crate::packing::Documents;
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
+pub use crate::llama::activations::phi::{adapter_params, held_for_backward};
+
 /// Sizes of a [`Phi`], Hugging Face's `PhiConfig` fields.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PhiConfig {

@@ -703,16 +703,81 @@ const GPT_NEOX: &[&str] = &[
     r#", "rotary_pct": 0.5, "tie_word_embeddings": true"#,
 ];
 
+/// Phi's layers: half of each head turned over two key-value heads, and
+/// a quarter of each of four, its queries and keys LayerNormed first.
+const PHI: &[&str] = &[
+    "",
+    r#", "num_key_value_heads": 4, "partial_rotary_factor": 0.25, "qk_layernorm": true"#,
+];
+
+/// What the loss of a model the estimate counts apart from the Llama
+/// family's holds, against what it says (`want`, given the dtype,
+/// whether each layer is recomputed and the head fused with the loss,
+/// and LoRA's adapters if any): whole, recomputed and with the logits
+/// whole, in each dtype, under each of `loras`, whose trained
+/// parameters are what `params` says. `build` makes the model (under
+/// LoRA, recomputed or not), `run` turns its training and fused loss on
+/// or off and returns its loss of the tokens.
+/// What the estimate of [`Apart`] says, given the dtype, whether each
+/// layer is recomputed and the head fused, and LoRA's adapters if any.
+type Says<'a> = &'a dyn Fn(Kind, (bool, bool), Option<&zrt::lora::LoraConfig>) -> Option<u64>;
+
+struct Apart<'a, M> {
+    name: &'a str,
+    build: &'a dyn Fn(&nn::Path, Option<&zrt::lora::LoraConfig>, bool) -> M,
+    run: &'a dyn Fn(&M, bool, &Tensor) -> Tensor,
+    want: Says<'a>,
+    params: &'a dyn Fn(&zrt::lora::LoraConfig) -> Option<u64>,
+}
+
+impl<M> Apart<'_, M> {
+    fn holds_what_it_says(&self, loras: &[Option<zrt::lora::LoraConfig>]) {
+        let tokens = tokens();
+        for lora in loras {
+            for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+                for (recompute, fused) in [(false, true), (true, true), (false, false)] {
+                    let (mut vs, model) = seeded(|| {
+                        let vs = nn::VarStore::new(Device::Cpu);
+                        let m = (self.build)(&vs.root(), lora.as_ref(), recompute);
+                        (vs, m)
+                    });
+                    if let Some(l) = lora {
+                        zrt::lora::freeze_base(&vs, l).unwrap();
+                        let trained = (vs.variables().values())
+                            .filter(|t| t.requires_grad())
+                            .map(|t| t.numel() as u64)
+                            .sum();
+                        assert_eq!((self.params)(l), Some(trained), "{} {l:?}", self.name);
+                    }
+                    match kind {
+                        Kind::BFloat16 => vs.bfloat16(),
+                        Kind::Half => vs.half(),
+                        _ => {}
+                    }
+                    let (held, loss) = held_by(|| (self.run)(&model, fused, &tokens));
+                    assert_eq!(
+                        Some(held),
+                        (self.want)(kind, (recompute, fused), lora.as_ref()),
+                        "{} in {kind:?} under {:?}, recomputing: {recompute}, fused: {fused}",
+                        self.name,
+                        lora.as_ref()
+                            .map(|l| (&l.target_modules, &l.layers_to_transform))
+                    );
+                    loss.backward();
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn gpt_neox_holds_what_the_estimate_says() {
-    // Whole, recomputed and with the logits whole, in each dtype; under
-    // LoRA on every matrix, on the last alone (nothing below it needs a
-    // gradient), and with dropout on one layer of three.
+    // Under LoRA on every matrix, on the last alone (nothing below it
+    // needs a gradient), and with dropout on one layer of three.
     use zrt::gpt_neox::{adapter_params, held_for_backward, GptNeox, GptNeoxConfig};
     use zrt::lora::LoraConfig;
     let _t = turn();
     track_allocations().unwrap();
-    let tokens = tokens();
     let every = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"];
     let loras = [
         None,
@@ -727,47 +792,25 @@ fn gpt_neox_holds_what_the_estimate_says() {
     let rows_seq = (ROWS as u64, SEQ as u64);
     for extra in GPT_NEOX {
         let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", extra)).unwrap();
-        for lora in &loras {
-            for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
-                for (recompute, fused) in [(false, true), (true, true), (false, false)] {
-                    let (mut vs, model) = seeded(|| {
-                        let vs = nn::VarStore::new(Device::Cpu);
-                        let (root, plan) = (vs.root(), ShardPlan::new());
-                        let m = match (lora, recompute) {
-                            (Some(l), _) => GptNeox::with_lora(&root, &plan, &c, l, recompute),
-                            (None, true) => GptNeox::new_checkpointed(&root, &plan, &c),
-                            (None, false) => GptNeox::new(&root, &plan, &c),
-                        };
-                        (vs, m)
-                    });
-                    if let Some(l) = lora {
-                        zrt::lora::freeze_base(&vs, l).unwrap();
-                        let trained = (vs.variables().values())
-                            .filter(|t| t.requires_grad())
-                            .map(|t| t.numel() as u64)
-                            .sum();
-                        assert_eq!(adapter_params(&c, l), Some(trained), "{extra} {l:?}");
-                    }
-                    match kind {
-                        Kind::BFloat16 => vs.bfloat16(),
-                        Kind::Half => vs.half(),
-                        _ => {}
-                    }
-                    model.set_training(true);
-                    model.set_fused_loss(fused);
-                    let (held, loss) = held_by(|| model.loss(&tokens));
-                    let want =
-                        held_for_backward(&c, rows_seq, kind, (recompute, fused), lora.as_ref());
-                    assert_eq!(
-                        Some(held),
-                        want,
-                        "gpt_neox{extra} in {kind:?} under {:?}, recomputing: {recompute}, fused: {fused}",
-                        lora.as_ref().map(|l| (&l.target_modules, &l.layers_to_transform))
-                    );
-                    loss.backward();
+        Apart {
+            name: &format!("gpt_neox{extra}"),
+            build: &|root, lora, recompute| {
+                let plan = ShardPlan::new();
+                match (lora, recompute) {
+                    (Some(l), _) => GptNeox::with_lora(root, &plan, &c, l, recompute),
+                    (None, true) => GptNeox::new_checkpointed(root, &plan, &c),
+                    (None, false) => GptNeox::new(root, &plan, &c),
                 }
-            }
+            },
+            run: &|m, fused, tokens| {
+                m.set_training(true);
+                m.set_fused_loss(fused);
+                m.loss(tokens)
+            },
+            want: &|kind, keeping, lora| held_for_backward(&c, rows_seq, kind, keeping, lora),
+            params: &|lora| adapter_params(&c, lora),
         }
+        .holds_what_it_says(&loras);
     }
     // Its dropouts save masks, not counted; nor is a trained head.
     for dropout in [
@@ -782,6 +825,66 @@ fn gpt_neox_holds_what_the_estimate_says() {
     }
     let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", "")).unwrap();
     let head = LoraConfig::new(8, 16.0, &["dense", "embed_out"]);
+    let est = held_for_backward(&c, rows_seq, Kind::Float, (false, true), Some(&head));
+    assert_eq!((est, adapter_params(&c, &head)), (None, None));
+}
+
+#[test]
+fn phi_holds_what_the_estimate_says() {
+    // Under LoRA on every matrix, on the queries and values (the MLP
+    // beside them frozen), and with dropout on one layer of three.
+    use zrt::lora::LoraConfig;
+    use zrt::phi::{adapter_params, held_for_backward, Phi, PhiConfig};
+    let _t = turn();
+    track_allocations().unwrap();
+    let loras = [
+        None,
+        Some(LoraConfig::new(8, 16.0, &["all-linear"])),
+        Some(LoraConfig::new(4, 8.0, &["q_proj", "v_proj"])),
+        Some(LoraConfig {
+            layers_to_transform: vec![1],
+            dropout: 0.1,
+            ..LoraConfig::new(8, 16.0, &["k_proj", "dense", "fc2"])
+        }),
+    ];
+    let rows_seq = (ROWS as u64, SEQ as u64);
+    for extra in PHI {
+        let c = PhiConfig::from_hf_dir(config("phi", extra)).unwrap();
+        Apart {
+            name: &format!("phi{extra}"),
+            build: &|root, lora, recompute| {
+                let plan = ShardPlan::new();
+                match (lora, recompute) {
+                    (Some(l), _) => Phi::with_lora(root, &plan, &c, l, recompute),
+                    (None, true) => Phi::new_checkpointed(root, &plan, &c),
+                    (None, false) => Phi::new(root, &plan, &c),
+                }
+            },
+            run: &|m, fused, tokens| {
+                m.set_training(true);
+                m.set_fused_loss(fused);
+                m.loss(tokens)
+            },
+            want: &|kind, keeping, lora| held_for_backward(&c, rows_seq, kind, keeping, lora),
+            params: &|lora| adapter_params(&c, lora),
+        }
+        .holds_what_it_says(&loras);
+    }
+    // Its dropouts save masks, not counted (phi-2's `resid_pdrop` 0.1);
+    // nor is a trained head.
+    for dropout in [
+        r#", "resid_pdrop": 0.1"#,
+        r#", "embd_pdrop": 0.1"#,
+        r#", "attention_dropout": 0.1"#,
+    ] {
+        let c = PhiConfig::from_hf_dir(config("phi", dropout)).unwrap();
+        assert_eq!(
+            held_for_backward(&c, rows_seq, Kind::Float, (false, true), None),
+            None
+        );
+    }
+    let c = PhiConfig::from_hf_dir(config("phi", "")).unwrap();
+    let head = LoraConfig::new(8, 16.0, &["dense", "lm_head"]);
     let est = held_for_backward(&c, rows_seq, Kind::Float, (false, true), Some(&head));
     assert_eq!((est, adapter_params(&c, &head)), (None, None));
 }

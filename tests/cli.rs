@@ -1461,7 +1461,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 6] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 7] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1537,6 +1537,19 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "1414647808 params",
                 "a forward of 1 x 2048 tokens in bf16 holds 3.22 GiB a rank",
+            ],
+        ),
+        // phi-1.5's: one LayerNorm both sublayers read, half of each
+        // head turned, its `gelu_new` keeping its input alone (its five
+        // operations kept 2.25 GiB more, until 2026-12-07).
+        (
+            "phi-1_5",
+            r#"{"architectures": ["PhiForCausalLM"], "model_type": "phi", "attention_dropout": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "hidden_act": "gelu_new", "hidden_size": 2048, "intermediate_size": 8192, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048, "num_attention_heads": 32, "num_hidden_layers": 24, "partial_rotary_factor": 0.5, "qk_layernorm": false, "rope_theta": 10000.0, "tie_word_embeddings": false, "vocab_size": 51200}"#,
+            "2",
+            "2048",
+            &[
+                "1418270720 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 2.66 GiB a rank",
             ],
         ),
     ];

@@ -11,8 +11,8 @@
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
 //! and queries grown with their position; Apertus's xIELU; LFM2's short
 //! convolutions), the whole model training or LoRA's adapters on a
-//! frozen base; and those adapters' parameters. GPT-NeoX's layers are
-//! counted in the same terms ([`gpt_neox`]).
+//! frozen base; and those adapters' parameters. GPT-NeoX's and Phi's
+//! layers are counted in the same terms ([`gpt_neox`], [`phi`]).
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
 //! to what libtorch allocates, to the byte.
 //!
@@ -25,6 +25,7 @@
 //! values.
 
 pub(crate) mod gpt_neox;
+pub(crate) mod phi;
 
 use tch::Kind;
 
@@ -177,6 +178,53 @@ pub fn held_for_backward(
     Some(held + mask + chunks + scale + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
 }
 
+/// [`held_for_backward`] for a model of `layers` layers alike, each
+/// turning its heads over the whole row (GPT-NeoX's, Phi's): `w`'s
+/// widths, each layer's adapters' `ranks` (none where the whole model
+/// trains, `full`), then the final norm, the head and the loss of a
+/// vocabulary of `vocab`.
+fn alike_layers(
+    w: &Widths,
+    (layers, vocab): (i64, u64),
+    (rows, seq): (u64, u64),
+    (recompute, fused_loss): (bool, bool),
+    (full, ranks): (bool, &dyn Fn(i64) -> Ranks),
+) -> u64 {
+    let tokens = rows * seq;
+    // The embedding's output needs a gradient when the embedding trains.
+    let mut live = full;
+    let mut held = 0;
+    for layer in 0..layers.max(0) {
+        let ranks = ranks(layer);
+        let trains = full || ranks.any();
+        let (per_token, per_position, per_forward, out_live) =
+            w.layer((live, full), &ranks, None, (true, None));
+        held += w.layer_held(recompute, (live, trains), tokens, || {
+            tokens * per_token + seq * per_position + per_forward
+        });
+        live = out_live;
+    }
+    let kept = logits_kept((rows, seq), w.b, (vocab, false));
+    held + kept_for_head(w, tokens, (live, full), (fused_loss, kept))
+}
+
+/// Where in [`Ranks`] a module's rank goes.
+type Slot = fn(&mut Ranks) -> &mut u64;
+
+/// The ranks of `l`'s adapters on the modules `names` (in `prefix`,
+/// the layer's name and a dot before each) with each's slot in
+/// [`Ranks`]: 0 where it targets none.
+fn ranks_of(l: &LoraConfig, prefix: &str, names: &[(&str, Slot)]) -> Ranks {
+    let mut r = Ranks::default();
+    for (module, slot) in names {
+        let name = format!("{prefix}{module}");
+        if l.targets(&name) {
+            *slot(&mut r) = l.rank_of(&name).max(0) as u64;
+        }
+    }
+    r
+}
+
 /// The bytes of a value of the compute dtype `kind`; `None` for a dtype
 /// no model computes in.
 fn bytes_of(kind: Kind) -> Option<u64> {
@@ -276,10 +324,11 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 }
 
 /// The families whose layers [`held_for_backward`] and
-/// [`adapter_params`] count (`counted`'s), and GPT-NeoX, whose
-/// [`crate::gpt_neox::held_for_backward`] counts, as messages name them.
+/// [`adapter_params`] count (`counted`'s), and GPT-NeoX and Phi, whose
+/// [`crate::gpt_neox::held_for_backward`] and
+/// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-NeoX (Pythia), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW) and GPT-OSS";
+    "GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2, without dropout), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW) and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -992,6 +1041,48 @@ struct Eager {
 }
 
 impl Widths {
+    /// A layer of LayerNorms before attention and an ungated MLP, one
+    /// after the other, and nothing else (GPT-NeoX's and Phi's set
+    /// theirs apart): `h` wide, its MLP `i`, `heads` heads of queries
+    /// over `kv_heads` of keys and values, each `d` wide, `rd` of it
+    /// turned, in `b` bytes a value, over `rows` rows; `dropout`:
+    /// LoRA's.
+    fn layer_normed(
+        (b, rows): (u64, u64),
+        (h, i): (u64, u64),
+        (heads, kv_heads, d, rd): (u64, u64, u64, u64),
+        dropout: bool,
+    ) -> Self {
+        Self {
+            b,
+            h,
+            i,
+            q: heads * d,
+            kv: kv_heads * d,
+            d,
+            rd,
+            heads,
+            kv_heads,
+            qk_norm: QkNorm::None,
+            norms: Norms::Layer,
+            sandwich: false,
+            pre_norms: true,
+            views: false,
+            gated: false,
+            fp32_rope: false,
+            l2_norm: false,
+            temperature: false,
+            clipped: false,
+            parallel: false,
+            two_norms: false,
+            eager: None,
+            latent: None,
+            dropout,
+            xielu: false,
+            rows,
+        }
+    }
+
     /// What a layer holds for `tokens` tokens: with `recompute` its
     /// input, its one saved tensor, and the generator state to recompute
     /// it with, nothing where no gradient reaches (`live`) or leaves it

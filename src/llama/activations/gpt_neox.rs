@@ -8,13 +8,11 @@
 
 use tch::Kind;
 
-use super::{
-    adapters_alone, bytes_of, dims, kept_for_head, logits_kept, Norms, QkNorm, Ranks, Widths,
-};
+use super::{adapters_alone, alike_layers, bytes_of, dims, ranks_of, Ranks, Widths};
 use crate::gpt_neox::GptNeoxConfig;
 use crate::lora::LoraConfig;
 
-/// The names PEFT gives GPT-NeoX's embedding and head.
+/// The names PEFT gives GPT-NeoX's head and embedding.
 const ENDS: (&str, &str) = ("embed_out", "gpt_neox.embed_in");
 
 /// The bytes a training forward of `rows` rows of `seq` tokens of the
@@ -28,9 +26,9 @@ const ENDS: (&str, &str) = ("embed_out", "gpt_neox.embed_in");
 /// under LoRA with more than the layers' adapters training.
 pub fn held_for_backward(
     c: &GptNeoxConfig,
-    (rows, seq): (u64, u64),
+    rows_seq: (u64, u64),
     kind: Kind,
-    (recompute, fused_loss): (bool, bool),
+    keeping: (bool, bool),
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
     if c.attention_dropout > 0.0 || c.hidden_dropout > 0.0 {
@@ -39,23 +37,16 @@ pub fn held_for_backward(
     if lora.is_some_and(|l| !adapters_alone(l, ENDS)) {
         return None;
     }
-    let w = widths(c, bytes_of(kind)?, rows, lora);
-    let tokens = rows * seq;
-    let full = lora.is_none();
-    let mut live = full;
-    let mut held = 0;
-    for layer in 0..c.layers.max(0) {
-        let ranks = lora.map_or_else(Ranks::default, |l| ranks(l, layer));
-        let trains = full || ranks.any();
-        let (per_token, per_position, per_forward, out_live) =
-            w.layer((live, full), &ranks, None, (true, None));
-        held += w.layer_held(recompute, (live, trains), tokens, || {
-            tokens * per_token + seq * per_position + per_forward
-        });
-        live = out_live;
-    }
-    let kept = logits_kept((rows, seq), w.b, (dims(c.vocab), false));
-    Some(held + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
+    let w = widths(c, bytes_of(kind)?, rows_seq.0, lora);
+    let ranks = |layer| lora.map_or_else(Ranks::default, |l| ranks(l, layer));
+    let sizes = (c.layers, dims(c.vocab));
+    Some(alike_layers(
+        &w,
+        sizes,
+        rows_seq,
+        keeping,
+        (lora.is_none(), &ranks),
+    ))
 }
 
 /// The parameters `lora`'s adapters on `c`'s layers hold (`r` x (in +
@@ -75,56 +66,33 @@ pub fn adapter_params(c: &GptNeoxConfig, lora: &LoraConfig) -> Option<u64> {
 
 /// `c`'s layer's widths in bytes of `b`, over `rows` rows.
 fn widths(c: &GptNeoxConfig, b: u64, rows: u64, lora: Option<&LoraConfig>) -> Widths {
-    let (h, heads) = (dims(c.hidden), dims(c.heads));
+    let heads = dims(c.heads);
+    let turned = (heads, heads, dims(c.head_dim()), dims(c.rotary_dim()));
+    let wide = (dims(c.hidden), dims(c.intermediate));
+    let dropout = lora.is_some_and(|l| l.dropout > 0.0);
     Widths {
-        b,
-        h,
-        i: dims(c.intermediate),
-        q: h,
-        kv: h,
-        d: dims(c.head_dim()),
-        rd: dims(c.rotary_dim()),
-        heads,
-        kv_heads: heads,
-        qk_norm: QkNorm::None,
-        norms: Norms::Layer,
-        sandwich: false,
-        pre_norms: true,
         // Each head's query, key and value are views of one output: the
         // turned queries and keys are tensors of their own, the values
         // keep the whole output.
         views: true,
-        gated: false,
-        fp32_rope: false,
-        l2_norm: false,
-        temperature: false,
-        clipped: false,
         // Side by side, each sublayer after a LayerNorm of its own.
         parallel: c.parallel_residual,
         two_norms: c.parallel_residual,
-        eager: None,
-        latent: None,
-        dropout: lora.is_some_and(|l| l.dropout > 0.0),
-        xielu: false,
-        rows,
+        ..Widths::layer_normed((b, rows), wide, turned, dropout)
     }
 }
 
 /// The ranks of `l`'s adapters on GPT-NeoX's layer `layer`: its fused
 /// `query_key_value`, `dense`, and the MLP's two matrices.
 fn ranks(l: &LoraConfig, layer: i64) -> Ranks {
-    let rank = |module: &str| {
-        let name = format!("gpt_neox.layers.{layer}.{module}");
-        match l.targets(&name) {
-            true => l.rank_of(&name).max(0) as u64,
-            false => 0,
-        }
-    };
-    Ranks {
-        qkv: rank("attention.query_key_value"),
-        o: rank("attention.dense"),
-        up: rank("mlp.dense_h_to_4h"),
-        down: rank("mlp.dense_4h_to_h"),
-        ..Ranks::default()
-    }
+    ranks_of(
+        l,
+        &format!("gpt_neox.layers.{layer}."),
+        &[
+            ("attention.query_key_value", |r| &mut r.qkv),
+            ("attention.dense", |r| &mut r.o),
+            ("mlp.dense_h_to_4h", |r| &mut r.up),
+            ("mlp.dense_4h_to_h", |r| &mut r.down),
+        ],
+    )
 }

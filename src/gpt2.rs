@@ -54,6 +54,8 @@ use crate::lora::{Adapted, LoraConfig};
 use crate::packing::Documents;
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
+pub use crate::llama::activations::gpt2::{adapter_params, held_for_backward};
+
 /// Sizes of a [`Gpt2`], Hugging Face's `GPT2Config` fields.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Gpt2Config {

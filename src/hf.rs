@@ -258,6 +258,7 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
 /// backward or not and the head fused with the loss or not (`keeping`;
 /// [`HfModel::set_fused_loss`]), the whole model training or `lora`'s
 /// adapters ([`crate::llama::held_for_backward`],
+/// [`crate::gpt2::held_for_backward`],
 /// [`crate::gpt_neox::held_for_backward`], [`crate::phi::held_for_backward`]:
 /// what `zrt estimate --seq` prints); `None` for the models whose saved tensors it does not
 /// count.
@@ -272,13 +273,14 @@ pub fn held_for_backward(
         Layout::Llama(c) => crate::llama::held_for_backward(&c, rows_seq, kind, keeping, lora),
         Layout::GptNeox(c) => crate::gpt_neox::held_for_backward(&c, rows_seq, kind, keeping, lora),
         Layout::Phi(c) => crate::phi::held_for_backward(&c, rows_seq, kind, keeping, lora),
-        _ => None,
+        Layout::Gpt2(c) => crate::gpt2::held_for_backward(&c, rows_seq, kind, keeping, lora),
     })
 }
 
 /// The parameters `lora`'s adapters hold on the model `config`
 /// describes ([`crate::llama::adapter_params`],
-/// [`crate::gpt_neox::adapter_params`], [`crate::phi::adapter_params`]);
+/// [`crate::gpt2::adapter_params`], [`crate::gpt_neox::adapter_params`],
+/// [`crate::phi::adapter_params`]);
 /// `None` for the models
 /// it does not count.
 pub fn adapter_params(
@@ -289,7 +291,7 @@ pub fn adapter_params(
         Layout::Llama(c) => crate::llama::adapter_params(&c, lora),
         Layout::GptNeox(c) => crate::gpt_neox::adapter_params(&c, lora),
         Layout::Phi(c) => crate::phi::adapter_params(&c, lora),
-        _ => None,
+        Layout::Gpt2(c) => crate::gpt2::adapter_params(&c, lora),
     })
 }
 

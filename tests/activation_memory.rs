@@ -696,18 +696,23 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
 
 /// GPT-NeoX's layers (Pythia's): side by side after a LayerNorm each,
 /// a quarter of each head turned, and one after the other, all of each
-/// head turned and no attention biases; the head apart, and tied.
+/// head turned and no attention biases; the head apart, and tied; the
+/// embeddings and each sublayer's output dropped out.
 const GPT_NEOX: &[&str] = &[
     "",
     r#", "use_parallel_residual": false, "rotary_pct": 1.0, "attention_bias": false"#,
     r#", "rotary_pct": 0.5, "tie_word_embeddings": true"#,
+    r#", "hidden_dropout": 0.1"#,
 ];
 
 /// Phi's layers: half of each head turned over two key-value heads, and
-/// a quarter of each of four, its queries and keys LayerNormed first.
+/// a quarter of each of four, its queries and keys LayerNormed first;
+/// each sublayer's output dropped out (phi-2's), and the embeddings.
 const PHI: &[&str] = &[
     "",
     r#", "num_key_value_heads": 4, "partial_rotary_factor": 0.25, "qk_layernorm": true"#,
+    r#", "resid_pdrop": 0.1"#,
+    r#", "resid_pdrop": 0.1, "embd_pdrop": 0.1"#,
 ];
 
 /// What the loss of a model the estimate counts apart from the Llama
@@ -812,17 +817,10 @@ fn gpt_neox_holds_what_the_estimate_says() {
         }
         .holds_what_it_says(&loras);
     }
-    // Its dropouts save masks, not counted; nor is a trained head.
-    for dropout in [
-        r#", "hidden_dropout": 0.1"#,
-        r#", "attention_dropout": 0.1"#,
-    ] {
-        let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", dropout)).unwrap();
-        assert_eq!(
-            held_for_backward(&c, rows_seq, Kind::Float, (false, true), None),
-            None
-        );
-    }
+    // Its attention's dropout is not counted; nor is a trained head.
+    let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", r#", "attention_dropout": 0.1"#));
+    let est = held_for_backward(&c.unwrap(), rows_seq, Kind::Float, (false, true), None);
+    assert_eq!(est, None);
     let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", "")).unwrap();
     let head = LoraConfig::new(8, 16.0, &["dense", "embed_out"]);
     let est = held_for_backward(&c, rows_seq, Kind::Float, (false, true), Some(&head));
@@ -870,21 +868,73 @@ fn phi_holds_what_the_estimate_says() {
         }
         .holds_what_it_says(&loras);
     }
-    // Its dropouts save masks, not counted (phi-2's `resid_pdrop` 0.1);
-    // nor is a trained head.
-    for dropout in [
-        r#", "resid_pdrop": 0.1"#,
-        r#", "embd_pdrop": 0.1"#,
-        r#", "attention_dropout": 0.1"#,
-    ] {
-        let c = PhiConfig::from_hf_dir(config("phi", dropout)).unwrap();
-        assert_eq!(
-            held_for_backward(&c, rows_seq, Kind::Float, (false, true), None),
-            None
-        );
-    }
+    // Its attention's dropout is not counted; nor is a trained head.
+    let c = PhiConfig::from_hf_dir(config("phi", r#", "attention_dropout": 0.1"#));
+    let est = held_for_backward(&c.unwrap(), rows_seq, Kind::Float, (false, true), None);
+    assert_eq!(est, None);
     let c = PhiConfig::from_hf_dir(config("phi", "")).unwrap();
     let head = LoraConfig::new(8, 16.0, &["dense", "lm_head"]);
+    let est = held_for_backward(&c, rows_seq, Kind::Float, (false, true), Some(&head));
+    assert_eq!((est, adapter_params(&c, &head)), (None, None));
+}
+
+/// GPT-2's blocks 64 wide over 3 layers of 4 heads: without dropout,
+/// with its own (0.1 each: the attention's weights, each block's
+/// outputs, the embeddings), and with the blocks' outputs' alone and an
+/// MLP 176 wide.
+const GPT2: &[&str] = &[
+    r#", "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "tie_word_embeddings": true, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0"#,
+    r#", "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "tie_word_embeddings": true"#,
+    r#", "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "n_inner": 176, "tie_word_embeddings": true, "embd_pdrop": 0.0, "attn_pdrop": 0.0"#,
+];
+
+#[test]
+fn gpt2_holds_what_the_estimate_says() {
+    // Under LoRA on every matrix, on the MLP's last alone, and with
+    // LoRA's dropout on one layer of three.
+    use zrt::gpt2::{adapter_params, held_for_backward, Gpt2, Gpt2Config};
+    use zrt::lora::LoraConfig;
+    let _t = turn();
+    track_allocations().unwrap();
+    let loras = [
+        None,
+        Some(LoraConfig::new(8, 16.0, &["c_attn", "c_proj", "c_fc"])),
+        Some(LoraConfig {
+            target_pattern: Some(r".*\.mlp\.c_proj".into()),
+            ..LoraConfig::new(4, 8.0, &[])
+        }),
+        Some(LoraConfig {
+            layers_to_transform: vec![1],
+            dropout: 0.1,
+            ..LoraConfig::new(8, 16.0, &["c_attn", "c_fc"])
+        }),
+    ];
+    let rows_seq = (ROWS as u64, SEQ as u64);
+    for extra in GPT2 {
+        let c = Gpt2Config::from_hf_dir(config("gpt2", extra)).unwrap();
+        Apart {
+            name: &format!("gpt2{extra}"),
+            build: &|root, lora, recompute| {
+                let plan = ShardPlan::new();
+                match (lora, recompute) {
+                    (Some(l), _) => Gpt2::with_lora(root, &plan, &c, l, recompute),
+                    (None, true) => Gpt2::new_checkpointed(root, &plan, &c),
+                    (None, false) => Gpt2::new(root, &plan, &c),
+                }
+            },
+            run: &|m, fused, tokens| {
+                m.set_training(true);
+                m.set_fused_loss(fused);
+                m.loss(tokens)
+            },
+            want: &|kind, keeping, lora| held_for_backward(&c, rows_seq, kind, keeping, lora),
+            params: &|lora| adapter_params(&c, lora),
+        }
+        .holds_what_it_says(&loras);
+    }
+    // A trained embedding (the head too) is not a block's adapter.
+    let c = Gpt2Config::from_hf_dir(config("gpt2", GPT2[0])).unwrap();
+    let head = LoraConfig::new(8, 16.0, &["c_attn", "wte"]);
     let est = held_for_backward(&c, rows_seq, Kind::Float, (false, true), Some(&head));
     assert_eq!((est, adapter_params(&c, &head)), (None, None));
 }

@@ -1461,7 +1461,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 7] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 9] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1550,6 +1550,32 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "1418270720 params",
                 "a forward of 1 x 2048 tokens in bf16 holds 2.66 GiB a rank",
+            ],
+        ),
+        // phi-2's: its `resid_pdrop` 0.1 keeps a mask of each
+        // sublayer's output.
+        (
+            "phi-2",
+            r#"{"architectures": ["PhiForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 50256, "embd_pdrop": 0.0, "eos_token_id": 50256, "hidden_act": "gelu_new", "hidden_size": 2560, "initializer_range": 0.02, "intermediate_size": 10240, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048, "model_type": "phi", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "partial_rotary_factor": 0.4, "qk_layernorm": false, "resid_pdrop": 0.1, "rope_scaling": null, "rope_theta": 10000.0, "tie_word_embeddings": false, "torch_dtype": "float16", "use_cache": true, "vocab_size": 51200}"#,
+            "2",
+            "2048",
+            &[
+                "2779683840 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 5.04 GiB a rank",
+            ],
+        ),
+        // GPT-2's (124M) with its dropouts, 0.1 each: the attention's
+        // takes libtorch's plain path on a CPU, whose fp32 softmax, mask
+        // and dropped weights for every pair of tokens are 1.69 GiB of
+        // the 2.06 (without its dropouts it holds 292 MiB).
+        (
+            "gpt2",
+            r#"{"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1, "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": null, "summary_first_dropout": 0.1, "summary_proj_to_labels": true, "summary_type": "cls_index", "summary_use_proj": true, "vocab_size": 50257}"#,
+            "2",
+            "1024",
+            &[
+                "124439808 params",
+                "a forward of 1 x 1024 tokens in bf16 holds 2.06 GiB a rank",
             ],
         ),
     ];

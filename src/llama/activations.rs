@@ -11,8 +11,10 @@
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
 //! and queries grown with their position; Apertus's xIELU; LFM2's short
 //! convolutions), the whole model training or LoRA's adapters on a
-//! frozen base; and those adapters' parameters. GPT-NeoX's and Phi's
-//! layers are counted in the same terms ([`gpt_neox`], [`phi`]).
+//! frozen base; and those adapters' parameters. GPT-2's, GPT-NeoX's and
+//! Phi's layers are counted in the same terms ([`gpt2`], [`gpt_neox`],
+//! [`phi`]), their own dropouts too (GPT-2's attention's; not the
+//! others').
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
 //! to what libtorch allocates, to the byte.
 //!
@@ -24,6 +26,7 @@
 //! first adapter needs none, and a frozen norm keeps no normalized
 //! values.
 
+pub(crate) mod gpt2;
 pub(crate) mod gpt_neox;
 pub(crate) mod phi;
 
@@ -126,6 +129,8 @@ pub fn held_for_backward(
         }),
         latent: c.mla.as_ref().map(Latent::of),
         dropout: lora.is_some_and(|l| l.dropout > 0.0),
+        attention_dropout: None,
+        resid_dropout: false,
     };
     let tokens = rows * seq;
     let full = lora.is_none();
@@ -179,21 +184,24 @@ pub fn held_for_backward(
 }
 
 /// [`held_for_backward`] for a model of `layers` layers alike, each
-/// turning its heads over the whole row (GPT-NeoX's, Phi's): `w`'s
-/// widths, each layer's adapters' `ranks` (none where the whole model
-/// trains, `full`), then the final norm, the head and the loss of a
-/// vocabulary of `vocab`.
+/// over the whole row (GPT-2's, GPT-NeoX's, Phi's): `w`'s widths, each
+/// layer's adapters' `ranks` (none where the whole model trains,
+/// `full`), then the final norm, the head and the loss of a vocabulary
+/// of `vocab`; and the mask of the embeddings' dropout when
+/// `embed_dropout`.
 fn alike_layers(
     w: &Widths,
     (layers, vocab): (i64, u64),
     (rows, seq): (u64, u64),
     (recompute, fused_loss): (bool, bool),
     (full, ranks): (bool, &dyn Fn(i64) -> Ranks),
+    embed_dropout: bool,
 ) -> u64 {
     let tokens = rows * seq;
-    // The embedding's output needs a gradient when the embedding trains.
+    // The embedding's output needs a gradient when the embedding trains:
+    // its dropout keeps its mask then.
     let mut live = full;
-    let mut held = 0;
+    let mut held = (full && embed_dropout) as u64 * tokens * w.b * w.h;
     for layer in 0..layers.max(0) {
         let ranks = ranks(layer);
         let trains = full || ranks.any();
@@ -324,11 +332,12 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 }
 
 /// The families whose layers [`held_for_backward`] and
-/// [`adapter_params`] count (`counted`'s), and GPT-NeoX and Phi, whose
+/// [`adapter_params`] count (`counted`'s), and GPT-2, GPT-NeoX and Phi,
+/// whose [`crate::gpt2::held_for_backward`],
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2, without dropout), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW) and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -997,6 +1006,14 @@ struct Widths {
     latent: Option<Latent>,
     /// LoRA's dropout of each adapter's input (`lora_dropout` > 0).
     dropout: bool,
+    /// The model's dropout of the attention's weights over rows of this
+    /// many tokens (GPT-2's `attn_pdrop`): libtorch's CPU attention then
+    /// takes its plain path ([`Widths::attention`]).
+    attention_dropout: Option<u64>,
+    /// The model's dropout of each sublayer's output before the residual
+    /// (GPT-2's `resid_pdrop`): its mask, in the compute dtype, kept
+    /// where that output needs a gradient.
+    resid_dropout: bool,
     /// Apertus's xIELU in place of the ungated MLP's activation.
     xielu: bool,
     /// The rows of the forward.
@@ -1078,6 +1095,8 @@ impl Widths {
             eager: None,
             latent: None,
             dropout,
+            attention_dropout: None,
+            resid_dropout: false,
             xielu: false,
             rows,
         }
@@ -1210,6 +1229,17 @@ impl Widths {
                 let softmax = qk_live as u64 * (capped as u64 * b * seq + 4 * columns);
                 let scores = rows * heads * seq * (softmax + weights) + qk_live as u64 * seq * seq;
                 (per_token, scores)
+            }
+            // Dropped out, libtorch's CPU attention takes its plain path,
+            // in fp32 whatever the dtype: the queries and keys scaled, the
+            // values copied, and per row and head the softmax, the
+            // dropout's mask and the dropped weights, each fp32 and
+            // `seq` x `seq` (counted where every input needs a gradient,
+            // as GPT-2's, views of one projection, do).
+            None if self.attention_dropout.is_some() && (q_live || k_live || v_live) => {
+                let seq = self.attention_dropout.unwrap_or(0);
+                let scores = self.rows * heads * 12 * seq * seq;
+                (4 * (q + 2 * kv) + o_kept as u64 * b * q, scores)
             }
             // The fused attention keeps its inputs, output and fp32 log-
             // sum-exp per head; its output is the output projection's
@@ -1443,6 +1473,7 @@ impl Widths {
         };
         per_token += b * r.o + self.dropped(o_width, &[r.o], attended);
         let o_live = attended || full || r.o > 0;
+        per_token += (self.resid_dropout && o_live) as u64 * b * h;
         // Gemma 3 normalises the attention's output before the residual.
         if sandwich {
             per_token += self.norm(o_live, full);
@@ -1507,7 +1538,9 @@ impl Widths {
                 // The down projection keeps its input.
                 per_token += self.shares(full, &[r.down]) as u64 * b * i;
                 per_token += b * r.down + self.dropped(i, &[r.down], inner_live);
-                inner_live || full || r.down > 0
+                let down_live = inner_live || full || r.down > 0;
+                per_token += (self.resid_dropout && down_live) as u64 * b * h;
+                down_live
             }
         };
         // And the MLP's.

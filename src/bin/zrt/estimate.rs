@@ -61,7 +61,7 @@ pub struct EstimateArgs {
     muon_share: Option<f64>,
     /// With `--hf-config`: the tokens of a row. Prints what a training
     /// forward holds for its backward on each rank (the tensors autograd
-    /// saves), for the models whose layers it counts (GPT-NeoX's, Phi's, Llama's, Mistral's,
+    /// saves), for the models whose layers it counts (GPT-2's, GPT-NeoX's, Phi's, Llama's, Mistral's,
     /// Ministral's, Qwen2's, Qwen3's, Granite's, Seed-OSS's, Arcee's,
     /// StarCoder2's, Nemotron's, ERNIE 4.5's (with experts too),
     /// Helium's, GLM's and GLM-4's, Hunyuan's, Cohere 1's and 2's,
@@ -90,7 +90,7 @@ pub struct EstimateArgs {
     /// With `--hf-config`: LoRA adapters of this rank train on the frozen
     /// model (`finetune_hf --lora-r`): the adapters are the trained
     /// parameters, the model the frozen ones, and `--seq`'s activations
-    /// are LoRA's. Counted on the layers of GPT-NeoX, Phi, Llama, Mistral, Ministral,
+    /// are LoRA's. Counted on the layers of GPT-2, GPT-NeoX, Phi, Llama, Mistral, Ministral,
     /// Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron,
     /// ERNIE 4.5 (with experts too), Helium, GLM and GLM-4, Hunyuan,
     /// Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3,
@@ -500,7 +500,7 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of {}, with no dropout of the model's own (LoRA's is counted), no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
+            "activations: not counted for this model (zrt counts the layers of {}, with no dropout of the model's own but GPT-2's, GPT-NeoX's and Phi's (not their attention's but GPT-2's; LoRA's is counted), no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
             zrt::llama::COUNTED_FAMILIES
         ),
     }

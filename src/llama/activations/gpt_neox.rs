@@ -21,9 +21,12 @@ const ENDS: (&str, &str) = ("embed_out", "gpt_neox.embed_in");
 /// each layer's saved tensors (with `recompute`, its input alone), the
 /// final norm's and the loss's (`fused_loss`: the head fused with it),
 /// `kind` the compute dtype, the whole model training or `lora`'s
-/// adapters on a frozen base. `None` with a dropout of the model's
-/// (`attention_dropout`, `hidden_dropout`: each saves its mask), and
-/// under LoRA with more than the layers' adapters training.
+/// adapters on a frozen base, `hidden_dropout`'s masks (of the
+/// embeddings and each sublayer's output) too. `None` with
+/// `attention_dropout` (whose plain attention keeps what GPT-2's does
+/// where the queries, keys and values all need a gradient, and other
+/// tensors where some do not), and under LoRA with more than the
+/// layers' adapters training.
 pub fn held_for_backward(
     c: &GptNeoxConfig,
     rows_seq: (u64, u64),
@@ -31,7 +34,7 @@ pub fn held_for_backward(
     keeping: (bool, bool),
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
-    if c.attention_dropout > 0.0 || c.hidden_dropout > 0.0 {
+    if c.attention_dropout > 0.0 {
         return None;
     }
     if lora.is_some_and(|l| !adapters_alone(l, ENDS)) {
@@ -40,12 +43,14 @@ pub fn held_for_backward(
     let w = widths(c, bytes_of(kind)?, rows_seq.0, lora);
     let ranks = |layer| lora.map_or_else(Ranks::default, |l| ranks(l, layer));
     let sizes = (c.layers, dims(c.vocab));
+    let (full, dropped) = (lora.is_none(), c.hidden_dropout > 0.0);
     Some(alike_layers(
         &w,
         sizes,
         rows_seq,
         keeping,
-        (lora.is_none(), &ranks),
+        (full, &ranks),
+        dropped,
     ))
 }
 
@@ -78,6 +83,7 @@ fn widths(c: &GptNeoxConfig, b: u64, rows: u64, lora: Option<&LoraConfig>) -> Wi
         // Side by side, each sublayer after a LayerNorm of its own.
         parallel: c.parallel_residual,
         two_norms: c.parallel_residual,
+        resid_dropout: c.hidden_dropout > 0.0,
         ..Widths::layer_normed((b, rows), wide, turned, dropout)
     }
 }

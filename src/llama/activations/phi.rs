@@ -20,10 +20,11 @@ const ENDS: (&str, &str) = ("lm_head", "model.embed_tokens");
 /// each layer's saved tensors (with `recompute`, its input alone), the
 /// final norm's and the loss's (`fused_loss`: the head fused with it),
 /// `kind` the compute dtype, the whole model training or `lora`'s
-/// adapters on a frozen base. `None` with a dropout of the model's
-/// (`embd_pdrop`, `resid_pdrop`, `attention_dropout`: each saves its
-/// mask; phi-2's config drops out at `resid_pdrop` 0.1), and under LoRA
-/// with more than the layers' adapters training.
+/// adapters on a frozen base, the masks of `embd_pdrop` and
+/// `resid_pdrop` (phi-2's 0.1) too. `None` with `attention_dropout`
+/// (whose plain attention keeps what GPT-2's does where the queries,
+/// keys and values all need a gradient, and other tensors where some do
+/// not), and under LoRA with more than the layers' adapters training.
 pub fn held_for_backward(
     c: &PhiConfig,
     rows_seq: (u64, u64),
@@ -31,7 +32,7 @@ pub fn held_for_backward(
     keeping: (bool, bool),
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
-    if c.attention_dropout > 0.0 || c.resid_dropout > 0.0 || c.embd_dropout > 0.0 {
+    if c.attention_dropout > 0.0 {
         return None;
     }
     if lora.is_some_and(|l| !adapters_alone(l, ENDS)) {
@@ -40,12 +41,14 @@ pub fn held_for_backward(
     let w = widths(c, bytes_of(kind)?, rows_seq.0, lora);
     let ranks = |layer| lora.map_or_else(Ranks::default, |l| ranks(l, layer));
     let sizes = (c.layers, dims(c.vocab));
+    let (full, dropped) = (lora.is_none(), c.embd_dropout > 0.0);
     Some(alike_layers(
         &w,
         sizes,
         rows_seq,
         keeping,
-        (lora.is_none(), &ranks),
+        (full, &ranks),
+        dropped,
     ))
 }
 
@@ -80,6 +83,7 @@ fn widths(c: &PhiConfig, b: u64, rows: u64, lora: Option<&LoraConfig>) -> Widths
         parallel: true,
         // One LayerNorm of each head's queries and of its keys, its
         // weights every head's.
+        resid_dropout: c.resid_dropout > 0.0,
         qk_norm: match c.qk_layernorm {
             true => QkNorm::Shared,
             false => QkNorm::None,

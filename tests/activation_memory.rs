@@ -715,35 +715,25 @@ const PHI: &[&str] = &[
     r#", "resid_pdrop": 0.1, "embd_pdrop": 0.1"#,
 ];
 
-/// What the loss of a model the estimate counts apart from the Llama
-/// family's holds, against what it says (`want`, given the dtype,
-/// whether each layer is recomputed and the head fused with the loss,
-/// and LoRA's adapters if any): whole, recomputed and with the logits
-/// whole, in each dtype, under each of `loras`, whose trained
-/// parameters are what `params` says. `build` makes the model (under
-/// LoRA, recomputed or not), `run` turns its training and fused loss on
-/// or off and returns its loss of the tokens.
-/// What the estimate of [`Apart`] says, given the dtype, whether each
-/// layer is recomputed and the head fused, and LoRA's adapters if any.
-type Says<'a> = &'a dyn Fn(Kind, (bool, bool), Option<&zrt::lora::LoraConfig>) -> Option<u64>;
-
-struct Apart<'a, M> {
-    name: &'a str,
-    build: &'a dyn Fn(&nn::Path, Option<&zrt::lora::LoraConfig>, bool) -> M,
-    run: &'a dyn Fn(&M, bool, &Tensor) -> Tensor,
-    want: Says<'a>,
-    params: &'a dyn Fn(&zrt::lora::LoraConfig) -> Option<u64>,
-}
-
-impl<M> Apart<'_, M> {
-    fn holds_what_it_says(&self, loras: &[Option<zrt::lora::LoraConfig>]) {
-        let tokens = tokens();
-        for lora in loras {
+/// That the loss of a `$model` (a model the estimate counts apart from
+/// the Llama family's) of the config `$c` holds what `$held` says, and
+/// that LoRA's adapters train what `$params` says: whole, recomputed
+/// and with the logits whole, in each dtype, under each of `$loras`.
+macro_rules! holds_what_it_says {
+    ($model:ident, ($held:path, $params:path), $c:expr, $loras:expr, $name:expr) => {{
+        let (c, tokens) = ($c, tokens());
+        let rows_seq = (ROWS as u64, SEQ as u64);
+        for lora in $loras {
             for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
                 for (recompute, fused) in [(false, true), (true, true), (false, false)] {
                     let (mut vs, model) = seeded(|| {
                         let vs = nn::VarStore::new(Device::Cpu);
-                        let m = (self.build)(&vs.root(), lora.as_ref(), recompute);
+                        let (root, plan) = (vs.root(), ShardPlan::new());
+                        let m = match (lora, recompute) {
+                            (Some(l), _) => $model::with_lora(&root, &plan, c, l, recompute),
+                            (None, true) => $model::new_checkpointed(&root, &plan, c),
+                            (None, false) => $model::new(&root, &plan, c),
+                        };
                         (vs, m)
                     });
                     if let Some(l) = lora {
@@ -752,19 +742,21 @@ impl<M> Apart<'_, M> {
                             .filter(|t| t.requires_grad())
                             .map(|t| t.numel() as u64)
                             .sum();
-                        assert_eq!((self.params)(l), Some(trained), "{} {l:?}", self.name);
+                        assert_eq!($params(c, l), Some(trained), "{} {l:?}", $name);
                     }
                     match kind {
                         Kind::BFloat16 => vs.bfloat16(),
                         Kind::Half => vs.half(),
                         _ => {}
                     }
-                    let (held, loss) = held_by(|| (self.run)(&model, fused, &tokens));
+                    model.set_training(true);
+                    model.set_fused_loss(fused);
+                    let (held, loss) = held_by(|| model.loss(&tokens));
                     assert_eq!(
                         Some(held),
-                        (self.want)(kind, (recompute, fused), lora.as_ref()),
+                        $held(c, rows_seq, kind, (recompute, fused), lora.as_ref()),
                         "{} in {kind:?} under {:?}, recomputing: {recompute}, fused: {fused}",
-                        self.name,
+                        $name,
                         lora.as_ref()
                             .map(|l| (&l.target_modules, &l.layers_to_transform))
                     );
@@ -772,7 +764,7 @@ impl<M> Apart<'_, M> {
                 }
             }
         }
-    }
+    }};
 }
 
 #[test]
@@ -797,25 +789,14 @@ fn gpt_neox_holds_what_the_estimate_says() {
     let rows_seq = (ROWS as u64, SEQ as u64);
     for extra in GPT_NEOX {
         let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", extra)).unwrap();
-        Apart {
-            name: &format!("gpt_neox{extra}"),
-            build: &|root, lora, recompute| {
-                let plan = ShardPlan::new();
-                match (lora, recompute) {
-                    (Some(l), _) => GptNeox::with_lora(root, &plan, &c, l, recompute),
-                    (None, true) => GptNeox::new_checkpointed(root, &plan, &c),
-                    (None, false) => GptNeox::new(root, &plan, &c),
-                }
-            },
-            run: &|m, fused, tokens| {
-                m.set_training(true);
-                m.set_fused_loss(fused);
-                m.loss(tokens)
-            },
-            want: &|kind, keeping, lora| held_for_backward(&c, rows_seq, kind, keeping, lora),
-            params: &|lora| adapter_params(&c, lora),
-        }
-        .holds_what_it_says(&loras);
+        let name = format!("gpt_neox{extra}");
+        holds_what_it_says!(
+            GptNeox,
+            (held_for_backward, adapter_params),
+            &c,
+            &loras,
+            name
+        );
     }
     // Its attention's dropout is not counted; nor is a trained head.
     let c = GptNeoxConfig::from_hf_dir(config("gpt_neox", r#", "attention_dropout": 0.1"#));
@@ -848,25 +829,8 @@ fn phi_holds_what_the_estimate_says() {
     let rows_seq = (ROWS as u64, SEQ as u64);
     for extra in PHI {
         let c = PhiConfig::from_hf_dir(config("phi", extra)).unwrap();
-        Apart {
-            name: &format!("phi{extra}"),
-            build: &|root, lora, recompute| {
-                let plan = ShardPlan::new();
-                match (lora, recompute) {
-                    (Some(l), _) => Phi::with_lora(root, &plan, &c, l, recompute),
-                    (None, true) => Phi::new_checkpointed(root, &plan, &c),
-                    (None, false) => Phi::new(root, &plan, &c),
-                }
-            },
-            run: &|m, fused, tokens| {
-                m.set_training(true);
-                m.set_fused_loss(fused);
-                m.loss(tokens)
-            },
-            want: &|kind, keeping, lora| held_for_backward(&c, rows_seq, kind, keeping, lora),
-            params: &|lora| adapter_params(&c, lora),
-        }
-        .holds_what_it_says(&loras);
+        let name = format!("phi{extra}");
+        holds_what_it_says!(Phi, (held_for_backward, adapter_params), &c, &loras, name);
     }
     // Its attention's dropout is not counted; nor is a trained head.
     let c = PhiConfig::from_hf_dir(config("phi", r#", "attention_dropout": 0.1"#));
@@ -912,25 +876,8 @@ fn gpt2_holds_what_the_estimate_says() {
     let rows_seq = (ROWS as u64, SEQ as u64);
     for extra in GPT2 {
         let c = Gpt2Config::from_hf_dir(config("gpt2", extra)).unwrap();
-        Apart {
-            name: &format!("gpt2{extra}"),
-            build: &|root, lora, recompute| {
-                let plan = ShardPlan::new();
-                match (lora, recompute) {
-                    (Some(l), _) => Gpt2::with_lora(root, &plan, &c, l, recompute),
-                    (None, true) => Gpt2::new_checkpointed(root, &plan, &c),
-                    (None, false) => Gpt2::new(root, &plan, &c),
-                }
-            },
-            run: &|m, fused, tokens| {
-                m.set_training(true);
-                m.set_fused_loss(fused);
-                m.loss(tokens)
-            },
-            want: &|kind, keeping, lora| held_for_backward(&c, rows_seq, kind, keeping, lora),
-            params: &|lora| adapter_params(&c, lora),
-        }
-        .holds_what_it_says(&loras);
+        let name = format!("gpt2{extra}");
+        holds_what_it_says!(Gpt2, (held_for_backward, adapter_params), &c, &loras, name);
     }
     // A trained embedding (the head too) is not a block's adapter.
     let c = Gpt2Config::from_hf_dir(config("gpt2", GPT2[0])).unwrap();

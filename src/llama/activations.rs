@@ -183,37 +183,89 @@ pub fn held_for_backward(
     Some(held + mask + chunks + scale + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
 }
 
-/// [`held_for_backward`] for a model of `layers` layers alike, each
-/// over the whole row (GPT-2's, GPT-NeoX's, Phi's): `w`'s widths, each
-/// layer's adapters' `ranks` (none where the whole model trains,
-/// `full`), then the final norm, the head and the loss of a vocabulary
-/// of `vocab`; and the mask of the embeddings' dropout when
-/// `embed_dropout`.
-fn alike_layers(
-    w: &Widths,
-    (layers, vocab): (i64, u64),
-    (rows, seq): (u64, u64),
-    (recompute, fused_loss): (bool, bool),
-    (full, ranks): (bool, &dyn Fn(i64) -> Ranks),
+/// A model of layers alike, each over the whole row (GPT-2's, GPT-NeoX's,
+/// Phi's), as its module describes it to the count.
+struct Alike {
+    /// PEFT's names of its head and of its embedding.
+    ends: (&'static str, &'static str),
+    layers: i64,
+    vocab: u64,
+    /// Its layer's widths; the count sets the dtype's bytes, the rows,
+    /// the attention's dropout and LoRA's.
+    widths: Widths,
+    /// The ranks of LoRA's adapters on a layer.
+    ranks: fn(&LoraConfig, i64) -> Ranks,
+    /// Its attention's weights dropped out (counted as GPT-2's).
+    attention_dropout: bool,
+    /// The embeddings dropped out: their mask is kept where they train.
     embed_dropout: bool,
-) -> u64 {
-    let tokens = rows * seq;
-    // The embedding's output needs a gradient when the embedding trains:
-    // its dropout keeps its mask then.
-    let mut live = full;
-    let mut held = (full && embed_dropout) as u64 * tokens * w.b * w.h;
-    for layer in 0..layers.max(0) {
-        let ranks = ranks(layer);
-        let trains = full || ranks.any();
-        let (per_token, per_position, per_forward, out_live) =
-            w.layer((live, full), &ranks, None, (true, None));
-        held += w.layer_held(recompute, (live, trains), tokens, || {
-            tokens * per_token + seq * per_position + per_forward
-        });
-        live = out_live;
+    /// Learned positions looked up (GPT-2's): the lookup keeps them,
+    /// int64, where they train.
+    positions: bool,
+    /// A dropout this count does not know: it says `None`.
+    uncounted: bool,
+}
+
+impl Alike {
+    /// [`held_for_backward`] for this model.
+    fn held_for_backward(
+        &self,
+        (rows, seq): (u64, u64),
+        kind: Kind,
+        (recompute, fused_loss): (bool, bool),
+        lora: Option<&LoraConfig>,
+    ) -> Option<u64> {
+        if self.uncounted || lora.is_some_and(|l| !adapters_alone(l, self.ends)) {
+            return None;
+        }
+        let w = Widths {
+            b: bytes_of(kind)?,
+            rows,
+            attention_dropout: self.attention_dropout.then_some(seq),
+            dropout: lora.is_some_and(|l| l.dropout > 0.0),
+            ..self.widths
+        };
+        let tokens = rows * seq;
+        let full = lora.is_none();
+        // The embeddings need a gradient where they train: their
+        // dropout keeps its mask then.
+        let mut live = full;
+        let embedded =
+            (self.embed_dropout as u64 * tokens * w.b * w.h) + self.positions as u64 * 8 * seq;
+        let mut held = full as u64 * embedded;
+        for layer in 0..self.layers.max(0) {
+            let ranks = lora.map_or_else(Ranks::default, |l| (self.ranks)(l, layer));
+            let trains = full || ranks.any();
+            let (per_token, per_position, per_forward, out_live) =
+                w.layer((live, full), &ranks, None, (true, None));
+            held += w.layer_held(recompute, (live, trains), tokens, || {
+                tokens * per_token + seq * per_position + per_forward
+            });
+            live = out_live;
+        }
+        let kept = logits_kept((rows, seq), w.b, (self.vocab, false));
+        Some(held + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
     }
-    let kept = logits_kept((rows, seq), w.b, (vocab, false));
-    held + kept_for_head(w, tokens, (live, full), (fused_loss, kept))
+
+    /// [`adapter_params`] for this model.
+    fn adapter_params(&self, lora: &LoraConfig) -> Option<u64> {
+        if !adapters_alone(lora, self.ends) {
+            return None;
+        }
+        let Widths { h, i, q, kv, .. } = self.widths;
+        let per_layer = |r: &Ranks| {
+            r.q * (h + q)
+                + (r.k + r.v) * (h + kv)
+                + r.qkv * (h + q + 2 * kv)
+                + r.o * (q + h)
+                + (r.up + r.down) * (h + i)
+        };
+        Some(
+            (0..self.layers.max(0))
+                .map(|l| per_layer(&(self.ranks)(lora, l)))
+                .sum(),
+        )
+    }
 }
 
 /// Where in [`Ranks`] a module's rank goes.
@@ -950,6 +1002,7 @@ impl QkNorm {
 }
 
 /// A layer's widths and the compute dtype's bytes `b`.
+#[derive(Clone, Copy)]
 struct Widths {
     b: u64,
     h: u64,
@@ -1059,19 +1112,13 @@ struct Eager {
 
 impl Widths {
     /// A layer of LayerNorms before attention and an ungated MLP, one
-    /// after the other, and nothing else (GPT-NeoX's and Phi's set
-    /// theirs apart): `h` wide, its MLP `i`, `heads` heads of queries
-    /// over `kv_heads` of keys and values, each `d` wide, `rd` of it
-    /// turned, in `b` bytes a value, over `rows` rows; `dropout`:
-    /// LoRA's.
-    fn layer_normed(
-        (b, rows): (u64, u64),
-        (h, i): (u64, u64),
-        (heads, kv_heads, d, rd): (u64, u64, u64, u64),
-        dropout: bool,
-    ) -> Self {
+    /// after the other, and nothing else ([`Alike`]'s models set theirs
+    /// apart): `h` wide, its MLP `i`, `heads` heads of queries over
+    /// `kv_heads` of keys and values, each `d` wide, `rd` of it turned;
+    /// in fp32 over one row until the count sets those.
+    fn layer_normed((h, i): (u64, u64), (heads, kv_heads, d, rd): (u64, u64, u64, u64)) -> Self {
         Self {
-            b,
+            b: 4,
             h,
             i,
             q: heads * d,
@@ -1094,11 +1141,11 @@ impl Widths {
             two_norms: false,
             eager: None,
             latent: None,
-            dropout,
+            dropout: false,
             attention_dropout: None,
             resid_dropout: false,
             xielu: false,
-            rows,
+            rows: 1,
         }
     }
 

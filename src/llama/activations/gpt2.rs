@@ -9,12 +9,9 @@
 
 use tch::Kind;
 
-use super::{adapters_alone, alike_layers, bytes_of, dims, ranks_of, Ranks, Widths};
+use super::{dims, ranks_of, Alike, Ranks, Widths};
 use crate::gpt2::Gpt2Config;
 use crate::lora::LoraConfig;
-
-/// The names PEFT gives GPT-2's head and embedding.
-const ENDS: (&str, &str) = ("lm_head", "transformer.wte");
 
 /// The bytes a training forward of `rows` rows of `seq` tokens of the
 /// GPT-2 model `c` holds for its backward once the loss is computed, as
@@ -26,54 +23,40 @@ const ENDS: (&str, &str) = ("lm_head", "transformer.wte");
 /// LoRA with more than the blocks' adapters training.
 pub fn held_for_backward(
     c: &Gpt2Config,
-    (rows, seq): (u64, u64),
+    rows_seq: (u64, u64),
     kind: Kind,
     keeping: (bool, bool),
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
-    if lora.is_some_and(|l| !adapters_alone(l, ENDS)) {
-        return None;
-    }
-    let b = bytes_of(kind)?;
-    let w = widths(c, (b, rows, seq), lora);
-    let ranks = |layer| lora.map_or_else(Ranks::default, |l| ranks(l, layer));
-    let full = lora.is_none();
-    let sizes = (c.layers, dims(c.vocab));
-    let dropped = c.embd_dropout > 0.0;
-    let layers = alike_layers(&w, sizes, (rows, seq), keeping, (full, &ranks), dropped);
-    // Where the embeddings train the position embedding's lookup keeps
-    // the positions (int64).
-    Some(layers + full as u64 * 8 * seq)
+    alike(c).held_for_backward(rows_seq, kind, keeping, lora)
 }
 
 /// The parameters `lora`'s adapters on `c`'s blocks hold (`r` x (in +
 /// out) each); `None` where more than the blocks' adapters trains.
 pub fn adapter_params(c: &Gpt2Config, lora: &LoraConfig) -> Option<u64> {
-    if !adapters_alone(lora, ENDS) {
-        return None;
-    }
-    let w = widths(c, (1, 1, 1), None);
-    let per_layer = |r: &Ranks| r.qkv * 4 * w.h + r.o * 2 * w.h + (r.up + r.down) * (w.h + w.i);
-    Some(
-        (0..c.layers.max(0))
-            .map(|l| per_layer(&ranks(lora, l)))
-            .sum(),
-    )
+    alike(c).adapter_params(lora)
 }
 
-/// `c`'s block's widths in bytes of `b`, over `rows` rows of `seq`
-/// tokens.
-fn widths(c: &Gpt2Config, (b, rows, seq): (u64, u64, u64), lora: Option<&LoraConfig>) -> Widths {
+/// `c` as the count sees it.
+fn alike(c: &Gpt2Config) -> Alike {
     let (h, heads) = (dims(c.width), dims(c.heads));
     let d = h / heads.max(1);
     let i = dims(c.inner.unwrap_or(4 * c.width));
-    let dropout = lora.is_some_and(|l| l.dropout > 0.0);
     // No rotary embedding: nothing turned.
-    let plain = Widths::layer_normed((b, rows), (h, i), (heads, heads, d, 0), dropout);
-    Widths {
-        attention_dropout: (c.attn_dropout > 0.0).then_some(seq),
-        resid_dropout: c.resid_dropout > 0.0,
-        ..plain
+    let plain = Widths::layer_normed((h, i), (heads, heads, d, 0));
+    Alike {
+        ends: ("lm_head", "transformer.wte"),
+        layers: c.layers,
+        vocab: dims(c.vocab),
+        widths: Widths {
+            resid_dropout: c.resid_dropout > 0.0,
+            ..plain
+        },
+        ranks,
+        attention_dropout: c.attn_dropout > 0.0,
+        embed_dropout: c.embd_dropout > 0.0,
+        positions: true,
+        uncounted: false,
     }
 }
 

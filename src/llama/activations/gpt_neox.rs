@@ -8,12 +8,9 @@
 
 use tch::Kind;
 
-use super::{adapters_alone, alike_layers, bytes_of, dims, ranks_of, Ranks, Widths};
+use super::{dims, ranks_of, Alike, Ranks, Widths};
 use crate::gpt_neox::GptNeoxConfig;
 use crate::lora::LoraConfig;
-
-/// The names PEFT gives GPT-NeoX's head and embedding.
-const ENDS: (&str, &str) = ("embed_out", "gpt_neox.embed_in");
 
 /// The bytes a training forward of `rows` rows of `seq` tokens of the
 /// GPT-NeoX model `c` holds for its backward once the loss is computed,
@@ -34,57 +31,40 @@ pub fn held_for_backward(
     keeping: (bool, bool),
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
-    if c.attention_dropout > 0.0 {
-        return None;
-    }
-    if lora.is_some_and(|l| !adapters_alone(l, ENDS)) {
-        return None;
-    }
-    let w = widths(c, bytes_of(kind)?, rows_seq.0, lora);
-    let ranks = |layer| lora.map_or_else(Ranks::default, |l| ranks(l, layer));
-    let sizes = (c.layers, dims(c.vocab));
-    let (full, dropped) = (lora.is_none(), c.hidden_dropout > 0.0);
-    Some(alike_layers(
-        &w,
-        sizes,
-        rows_seq,
-        keeping,
-        (full, &ranks),
-        dropped,
-    ))
+    alike(c).held_for_backward(rows_seq, kind, keeping, lora)
 }
 
 /// The parameters `lora`'s adapters on `c`'s layers hold (`r` x (in +
 /// out) each); `None` where more than the layers' adapters trains.
 pub fn adapter_params(c: &GptNeoxConfig, lora: &LoraConfig) -> Option<u64> {
-    if !adapters_alone(lora, ENDS) {
-        return None;
-    }
-    let (h, i) = (dims(c.hidden), dims(c.intermediate));
-    let per_layer = |r: &Ranks| r.qkv * (h + 3 * h) + r.o * 2 * h + (r.up + r.down) * (h + i);
-    Some(
-        (0..c.layers.max(0))
-            .map(|l| per_layer(&ranks(lora, l)))
-            .sum(),
-    )
+    alike(c).adapter_params(lora)
 }
 
-/// `c`'s layer's widths in bytes of `b`, over `rows` rows.
-fn widths(c: &GptNeoxConfig, b: u64, rows: u64, lora: Option<&LoraConfig>) -> Widths {
+/// `c` as the count sees it.
+fn alike(c: &GptNeoxConfig) -> Alike {
     let heads = dims(c.heads);
     let turned = (heads, heads, dims(c.head_dim()), dims(c.rotary_dim()));
-    let wide = (dims(c.hidden), dims(c.intermediate));
-    let dropout = lora.is_some_and(|l| l.dropout > 0.0);
-    Widths {
-        // Each head's query, key and value are views of one output: the
-        // turned queries and keys are tensors of their own, the values
-        // keep the whole output.
-        views: true,
-        // Side by side, each sublayer after a LayerNorm of its own.
-        parallel: c.parallel_residual,
-        two_norms: c.parallel_residual,
-        resid_dropout: c.hidden_dropout > 0.0,
-        ..Widths::layer_normed((b, rows), wide, turned, dropout)
+    let plain = Widths::layer_normed((dims(c.hidden), dims(c.intermediate)), turned);
+    Alike {
+        ends: ("embed_out", "gpt_neox.embed_in"),
+        layers: c.layers,
+        vocab: dims(c.vocab),
+        widths: Widths {
+            // Each head's query, key and value are views of one output:
+            // the turned queries and keys are tensors of their own, the
+            // values keep the whole output.
+            views: true,
+            // Side by side, each sublayer after a LayerNorm of its own.
+            parallel: c.parallel_residual,
+            two_norms: c.parallel_residual,
+            resid_dropout: c.hidden_dropout > 0.0,
+            ..plain
+        },
+        ranks,
+        attention_dropout: false,
+        embed_dropout: c.hidden_dropout > 0.0,
+        positions: false,
+        uncounted: c.attention_dropout > 0.0,
     }
 }
 

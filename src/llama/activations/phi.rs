@@ -7,12 +7,9 @@
 
 use tch::Kind;
 
-use super::{adapters_alone, alike_layers, bytes_of, dims, ranks_of, QkNorm, Ranks, Widths};
+use super::{dims, ranks_of, Alike, QkNorm, Ranks, Widths};
 use crate::lora::LoraConfig;
 use crate::phi::PhiConfig;
-
-/// The names PEFT gives Phi's head and embedding.
-const ENDS: (&str, &str) = ("lm_head", "model.embed_tokens");
 
 /// The bytes a training forward of `rows` rows of `seq` tokens of the
 /// Phi model `c` holds for its backward once the loss is computed, as
@@ -32,63 +29,41 @@ pub fn held_for_backward(
     keeping: (bool, bool),
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
-    if c.attention_dropout > 0.0 {
-        return None;
-    }
-    if lora.is_some_and(|l| !adapters_alone(l, ENDS)) {
-        return None;
-    }
-    let w = widths(c, bytes_of(kind)?, rows_seq.0, lora);
-    let ranks = |layer| lora.map_or_else(Ranks::default, |l| ranks(l, layer));
-    let sizes = (c.layers, dims(c.vocab));
-    let (full, dropped) = (lora.is_none(), c.embd_dropout > 0.0);
-    Some(alike_layers(
-        &w,
-        sizes,
-        rows_seq,
-        keeping,
-        (full, &ranks),
-        dropped,
-    ))
+    alike(c).held_for_backward(rows_seq, kind, keeping, lora)
 }
 
 /// The parameters `lora`'s adapters on `c`'s layers hold (`r` x (in +
 /// out) each); `None` where more than the layers' adapters trains.
 pub fn adapter_params(c: &PhiConfig, lora: &LoraConfig) -> Option<u64> {
-    if !adapters_alone(lora, ENDS) {
-        return None;
-    }
-    let w = widths(c, 1, 1, None);
-    let per_layer = |r: &Ranks| {
-        r.q * (w.h + w.q)
-            + (r.k + r.v) * (w.h + w.kv)
-            + r.o * (w.q + w.h)
-            + (r.up + r.down) * (w.h + w.i)
-    };
-    Some(
-        (0..c.layers.max(0))
-            .map(|l| per_layer(&ranks(lora, l)))
-            .sum(),
-    )
+    alike(c).adapter_params(lora)
 }
 
-/// `c`'s layer's widths in bytes of `b`, over `rows` rows.
-fn widths(c: &PhiConfig, b: u64, rows: u64, lora: Option<&LoraConfig>) -> Widths {
+/// `c` as the count sees it.
+fn alike(c: &PhiConfig) -> Alike {
     let d = dims(c.head_dim());
     let turned = (dims(c.heads), dims(c.kv_heads), d, dims(c.rotary_dim()));
-    let wide = (dims(c.hidden), dims(c.intermediate));
-    let dropout = lora.is_some_and(|l| l.dropout > 0.0);
-    Widths {
-        // One LayerNorm's output, which both sublayers read.
-        parallel: true,
-        // One LayerNorm of each head's queries and of its keys, its
-        // weights every head's.
-        resid_dropout: c.resid_dropout > 0.0,
-        qk_norm: match c.qk_layernorm {
-            true => QkNorm::Shared,
-            false => QkNorm::None,
+    let plain = Widths::layer_normed((dims(c.hidden), dims(c.intermediate)), turned);
+    Alike {
+        ends: ("lm_head", "model.embed_tokens"),
+        layers: c.layers,
+        vocab: dims(c.vocab),
+        widths: Widths {
+            // One LayerNorm's output, which both sublayers read.
+            parallel: true,
+            // One LayerNorm of each head's queries and of its keys, its
+            // weights every head's.
+            qk_norm: match c.qk_layernorm {
+                true => QkNorm::Shared,
+                false => QkNorm::None,
+            },
+            resid_dropout: c.resid_dropout > 0.0,
+            ..plain
         },
-        ..Widths::layer_normed((b, rows), wide, turned, dropout)
+        ranks,
+        attention_dropout: false,
+        embed_dropout: c.embd_dropout > 0.0,
+        positions: false,
+        uncounted: c.attention_dropout > 0.0,
     }
 }
 

@@ -383,6 +383,14 @@ const COUNTED: &[(&str, &str)] = &[
         "llama4_text",
         r#", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "interleave_moe_layer_step": 1, "use_qk_norm": false, "attn_temperature_tuning": false, "no_rope_layers": [0, 1, 1], "pad_token_id": 96"#,
     ),
+    ("llama", r#", "attention_dropout": 0.1"#),
+    (
+        "starcoder2",
+        r#", "sliding_window": 16, "residual_dropout": 0.1, "embedding_dropout": 0.1, "attention_dropout": 0.1"#,
+    ),
+    ("seed_oss", ""),
+    ("phi3", r#", "resid_pdrop": 0.1, "pad_token_id": 96"#),
+    ("stablelm", r#", "hidden_dropout": 0.1, "pad_token_id": 96"#),
 ];
 
 #[test]
@@ -1008,11 +1016,16 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
             "{t}{extra}"
         );
     }
+    // Dropouts where the count does not follow them: Falcon's (its
+    // parallel layers drop out the sum), a mixture's, and the weights'
+    // of an attention not the fused kernel's (Gemma 2's soft-capped).
     for (t, dropout) in [
-        ("llama", r#", "attention_dropout": 0.1"#),
-        ("phi3", r#", "resid_pdrop": 0.1, "pad_token_id": 96"#),
-        // Seed-OSS's dropouts, 0.1 unless its config says otherwise.
-        ("seed_oss", ""),
+        ("falcon", r#", "hidden_dropout": 0.1, "alibi": false"#),
+        ("mixtral", r#", "attention_dropout": 0.1"#),
+        (
+            "gemma2",
+            r#", "head_dim": 24, "query_pre_attn_scalar": 24, "attention_dropout": 0.1"#,
+        ),
     ] {
         assert_eq!(
             held_for_backward(&c(t, dropout), rows_seq, Kind::Float, (false, true), None),

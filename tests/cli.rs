@@ -1322,13 +1322,23 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         "{out}"
     );
     // A window shorter than the row: twice the tokens keep twice the
-    // bytes, and the layers one mask of 256 x 256 scores in bf16. A
-    // dropout is not counted, and said so.
+    // bytes, and the layers one mask of 256 x 256 scores in bf16. The
+    // attention's dropout takes the plain attention, which keeps fp32
+    // weights for every pair of tokens (1.5 MiB of them here); a
+    // mixture's dropout is not counted, and said so.
     let mistral = r#"{"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "sliding_window": 128"#;
     let dropout = hf_config(
         &dir,
         "mistral-dropout",
         &format!(r#"{mistral}, "attention_dropout": 0.1}}"#),
+    );
+    let experts = hf_config(
+        &dir,
+        "mixtral-dropout",
+        &format!(
+            r#"{}, "num_local_experts": 4, "attention_dropout": 0.1}}"#,
+            mistral.replace("mistral", "mixtral")
+        ),
     );
     let mistral = hf_config(&dir, "mistral", &format!("{mistral}}}"));
     for (config, seq, said) in [
@@ -1342,7 +1352,12 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "256",
             "a forward of 1 x 256 tokens in bf16 holds 5.14 MiB",
         ),
-        (&dropout, "128", "activations: not counted for this model"),
+        (
+            &dropout,
+            "128",
+            "a forward of 1 x 128 tokens in bf16 holds 4.50 MiB",
+        ),
+        (&experts, "128", "activations: not counted for this model"),
     ] {
         estimate_says(config, &["--world", "2", "--seq", seq], &[said]);
     }
@@ -1461,7 +1476,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 9] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 10] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1576,6 +1591,21 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "124439808 params",
                 "a forward of 1 x 1024 tokens in bf16 holds 2.06 GiB a rank",
+            ],
+        ),
+        // StarCoder2-3B's shape with dropouts of 0.1 (the attention's
+        // weights, each sublayer's output, the embeddings): at 4096
+        // tokens the plain attention's fp32 weights, mask and dropped
+        // weights are 144 GiB of the 149.95 (without the dropouts it
+        // holds 10.14 GiB).
+        (
+            "starcoder2",
+            r#"{"architectures": ["Starcoder2ForCausalLM"], "attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 3072, "intermediate_size": 12288, "max_position_embeddings": 16384, "model_type": "starcoder2", "num_attention_heads": 24, "num_hidden_layers": 30, "num_key_value_heads": 2, "rope_theta": 999999.4420358813, "sliding_window": 4096, "use_bias": true, "vocab_size": 49152}"#,
+            "2",
+            "4096",
+            &[
+                "3030371328 params",
+                "a forward of 1 x 4096 tokens in bf16 holds 149.95 GiB a rank",
             ],
         ),
     ];

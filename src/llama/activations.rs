@@ -13,8 +13,10 @@
 //! convolutions), the whole model training or LoRA's adapters on a
 //! frozen base; and those adapters' parameters. GPT-2's, GPT-NeoX's and
 //! Phi's layers are counted in the same terms ([`gpt2`], [`gpt_neox`],
-//! [`phi`]), their own dropouts too (GPT-2's attention's; not the
-//! others').
+//! [`phi`]). The models' own dropouts are counted (each keeps its mask;
+//! dropping out the attention's weights sends libtorch's CPU attention
+//! down its plain path, which keeps fp32 weights for every pair of
+//! tokens), but where [`dropouts`] and the three modules say not.
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
 //! to what libtorch allocates, to the byte.
 //!
@@ -55,8 +57,11 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// [`COUNTED_FAMILIES`], or a layer of one unlike what is counted there
 /// (a mixture of experts other than a plain one, `Experts::of`), whose
 /// gates save other tensors;
-/// a dropout of the model's (of the attention, a sublayer's output or
-/// the embeddings), which saves its mask; and LoRA with DoRA, bias
+/// a dropout of the model's that it does not follow ([`dropouts`]:
+/// Falcon's, a mixture's, the weights' of an attention not the fused
+/// kernel's; the others are counted, each keeping its mask, and the
+/// attention's weights' taking libtorch's plain CPU attention, which
+/// keeps fp32 weights for every pair of tokens); and LoRA with DoRA, bias
 /// terms, or anything besides the layers' adapters training (the head,
 /// token rows, `modules_to_save`, parameters).
 /// Gemma 2's soft-capped attention and GPT-OSS's beside its sinks are
@@ -72,9 +77,7 @@ pub fn held_for_backward(
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
     let experts = countable(c, lora)?;
-    if c.attention_dropout > 0.0 || c.resid_dropout > 0.0 || c.embedding_dropout > 0.0 {
-        return None;
-    }
+    let (weights_dropout, output_dropout, mlp_dropout) = dropouts(c, experts.is_some())?;
     let b = bytes_of(kind)?;
     let w = Widths {
         b,
@@ -129,14 +132,15 @@ pub fn held_for_backward(
         }),
         latent: c.mla.as_ref().map(Latent::of),
         dropout: lora.is_some_and(|l| l.dropout > 0.0),
-        attention_dropout: None,
-        resid_dropout: false,
+        attention_dropout: weights_dropout.then_some(seq),
+        resid_dropout: (output_dropout, mlp_dropout),
     };
     let tokens = rows * seq;
     let full = lora.is_none();
-    // The embedding's output needs a gradient when the embedding trains.
+    // The embedding's output needs a gradient when the embedding trains:
+    // its dropout keeps its mask then.
     let mut live = full;
-    let mut held = 0;
+    let mut held = (full && c.embedding_dropout > 0.0) as u64 * tokens * b * w.h;
     let mut mask = 0;
     let mut chunks = 0;
     for layer in 0..c.layers.max(0) {
@@ -283,6 +287,30 @@ fn ranks_of(l: &LoraConfig, prefix: &str, names: &[(&str, Slot)]) -> Ranks {
         }
     }
     r
+}
+
+/// Which of `c`'s own dropouts are on: of the attention's weights, of
+/// its output and of the MLP's output (the embeddings' is read apart);
+/// `None` where one is on that this count does not follow: Falcon's
+/// (its parallel layers drop out the two outputs' sum), a mixture's
+/// (`experts`), and the weights' where the attention is not the fused
+/// kernel's (soft-capped, beside sinks, latent, ALiBi's or in chunks).
+fn dropouts(c: &LlamaConfig, experts: bool) -> Option<(bool, bool, bool)> {
+    let on = (
+        c.attention_weights_dropout() > 0.0,
+        c.attention_output_dropout() > 0.0,
+        c.resid_dropout > 0.0,
+    );
+    let any = on.0 || on.1 || on.2 || c.embedding_dropout > 0.0;
+    let plain_attention = c.attn_softcap.is_none()
+        && c.family != Family::GptOss
+        && c.mla.is_none()
+        && !c.alibi()
+        && c.llama4.as_ref().is_none_or(|a| a.chunk.is_none());
+    match (c.falcon.is_some() || experts) && any || on.0 && !plain_attention {
+        true => None,
+        false => Some(on),
+    }
 }
 
 /// The bytes of a value of the compute dtype `kind`; `None` for a dtype
@@ -1063,10 +1091,10 @@ struct Widths {
     /// many tokens (GPT-2's `attn_pdrop`): libtorch's CPU attention then
     /// takes its plain path ([`Widths::attention`]).
     attention_dropout: Option<u64>,
-    /// The model's dropout of each sublayer's output before the residual
-    /// (GPT-2's `resid_pdrop`): its mask, in the compute dtype, kept
-    /// where that output needs a gradient.
-    resid_dropout: bool,
+    /// The model's dropout of the attention's output and of the MLP's
+    /// before the residual (GPT-2's `resid_pdrop`, both): its mask, in
+    /// the compute dtype, kept where that output needs a gradient.
+    resid_dropout: (bool, bool),
     /// Apertus's xIELU in place of the ungated MLP's activation.
     xielu: bool,
     /// The rows of the forward.
@@ -1143,7 +1171,7 @@ impl Widths {
             latent: None,
             dropout: false,
             attention_dropout: None,
-            resid_dropout: false,
+            resid_dropout: (false, false),
             xielu: false,
             rows: 1,
         }
@@ -1278,15 +1306,19 @@ impl Widths {
                 (per_token, scores)
             }
             // Dropped out, libtorch's CPU attention takes its plain path,
-            // in fp32 whatever the dtype: the queries and keys scaled, the
-            // values copied, and per row and head the softmax, the
-            // dropout's mask and the dropped weights, each fp32 and
-            // `seq` x `seq` (counted where every input needs a gradient,
-            // as GPT-2's, views of one projection, do).
+            // in fp32 whatever the dtype, the keys and values repeated for
+            // every head of their group: where the queries or keys need a
+            // gradient, the values, the softmax and the dropout's mask;
+            // where the queries do, the scaled keys; where the keys do,
+            // the scaled queries; where the values do, the dropped
+            // weights. The weights are `seq` x `seq` a row and head.
             None if self.attention_dropout.is_some() && (q_live || k_live || v_live) => {
                 let seq = self.attention_dropout.unwrap_or(0);
-                let scores = self.rows * heads * 12 * seq * seq;
-                (4 * (q + 2 * kv) + o_kept as u64 * b * q, scores)
+                let qk = q_live || k_live;
+                let per_token = 4 * q * (q_live as u64 + k_live as u64 + qk as u64);
+                let weights = 2 * qk as u64 + v_live as u64;
+                let scores = self.rows * heads * 4 * weights * seq * seq;
+                (per_token + o_kept as u64 * b * q, scores)
             }
             // The fused attention keeps its inputs, output and fp32 log-
             // sum-exp per head; its output is the output projection's
@@ -1520,7 +1552,7 @@ impl Widths {
         };
         per_token += b * r.o + self.dropped(o_width, &[r.o], attended);
         let o_live = attended || full || r.o > 0;
-        per_token += (self.resid_dropout && o_live) as u64 * b * h;
+        per_token += (self.resid_dropout.0 && o_live) as u64 * b * h;
         // Gemma 3 normalises the attention's output before the residual.
         if sandwich {
             per_token += self.norm(o_live, full);
@@ -1586,7 +1618,7 @@ impl Widths {
                 per_token += self.shares(full, &[r.down]) as u64 * b * i;
                 per_token += b * r.down + self.dropped(i, &[r.down], inner_live);
                 let down_live = inner_live || full || r.down > 0;
-                per_token += (self.resid_dropout && down_live) as u64 * b * h;
+                per_token += (self.resid_dropout.1 && down_live) as u64 * b * h;
                 down_live
             }
         };

@@ -49,7 +49,7 @@ fn alike(c: &Gpt2Config) -> Alike {
         layers: c.layers,
         vocab: dims(c.vocab),
         widths: Widths {
-            resid_dropout: c.resid_dropout > 0.0,
+            resid_dropout: (c.resid_dropout > 0.0, c.resid_dropout > 0.0),
             ..plain
         },
         ranks,

@@ -57,7 +57,7 @@ fn alike(c: &GptNeoxConfig) -> Alike {
             // Side by side, each sublayer after a LayerNorm of its own.
             parallel: c.parallel_residual,
             two_norms: c.parallel_residual,
-            resid_dropout: c.hidden_dropout > 0.0,
+            resid_dropout: (c.hidden_dropout > 0.0, c.hidden_dropout > 0.0),
             ..plain
         },
         ranks,

@@ -56,7 +56,7 @@ fn alike(c: &PhiConfig) -> Alike {
                 true => QkNorm::Shared,
                 false => QkNorm::None,
             },
-            resid_dropout: c.resid_dropout > 0.0,
+            resid_dropout: (c.resid_dropout > 0.0, c.resid_dropout > 0.0),
             ..plain
         },
         ranks,

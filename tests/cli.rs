@@ -1976,14 +1976,29 @@ fn tiny_hf_config(name: &str, model_type: &str) -> String {
 #[test]
 fn bench_hf_trains_zrt_and_transformers_from_the_same_weights_to_the_same_losses() {
     // The peer writes the checkpoint zrt loads; both take three AdamW
-    // steps on the same tokens, so their losses must agree, first and last.
+    // steps on the same tokens, so their losses must agree, first and
+    // last; zrt's head fused with its loss, and with `--unfused-loss`
+    // not.
     let f = tiny_hf_config("bench-hf", "llama");
-    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
-        .args(["bench", "hf", "--config", &f, "--seq", "16", "--json"])
-        .args(["--rounds", "1", "--steps", "3"])
-        .output()
-        .unwrap();
+    let run = |more: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["bench", "hf", "--config", &f, "--seq", "16", "--json"])
+            .args(["--rounds", "1", "--steps", "3"])
+            .args(more)
+            .output()
+            .unwrap()
+    };
+    let (o, apart) = (run(&[]), run(&["--unfused-loss"]));
     std::fs::remove_file(&f).unwrap();
+    for (o, fused) in [(&apart, false), (&o, true)] {
+        assert!(o.status.success(), "{}", common::printed(o));
+        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let fusing: Vec<_> = rows.iter().map(|r| r["fused_loss"].as_bool()).collect();
+        assert_eq!(fusing, [Some(fused), Some(false)], "{rows:?}");
+    }
     assert!(o.status.success(), "{}", common::printed(&o));
     let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
         .lines()

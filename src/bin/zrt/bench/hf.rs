@@ -50,6 +50,12 @@ pub struct HfArgs {
     /// round's first step is a warm-up, not timed).
     #[arg(long, default_value_t = 3, value_parser = super::at_least_one())]
     steps: usize,
+    /// zrt's loss takes the head's logits whole (`finetune_hf
+    /// --unfused-loss`), as the peer's does, rather than fusing the head
+    /// with the loss (the default, which computes the head's product
+    /// once more in backward).
+    #[arg(long)]
+    unfused_loss: bool,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -130,6 +136,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
     }
     let tokens = tokens(args.batch, args.seq, model.vocab());
     model.set_training(true);
+    model.set_fused_loss(!args.unfused_loss);
     let (mut zrt_losses, mut zrt_parts) = (Vec::new(), Vec::new());
     // Each part timed here, as the peer times its own: the engine's
     // `last_step_breakdown` counts into the forward everything since its
@@ -219,7 +226,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
     ];
     if !args.json {
         println!(
-            "{model_type} ({:.2}M params), batch {} x seq {}, {} thread(s), {} rounds x {} steps, medians; \
+            "{model_type} ({:.2}M params), batch {} x seq {}, {} thread(s), {} rounds x {} steps, medians, zrt's head {} the loss; \
              MFU counts 6 x params x tokens (attention left out; none with experts) against a {:.1} GFLOP/s matmul; \
              transformers {} with attention {}",
             params as f64 / 1e6,
@@ -228,6 +235,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
             args.threads,
             args.rounds,
             args.steps,
+            if args.unfused_loss { "apart from" } else { "fused with" },
             peak / 1e9,
             peer.hello["transformers"].as_str().unwrap_or("?"),
             peer.hello["attn_implementation"].as_str().unwrap_or("?"),
@@ -268,6 +276,8 @@ pub fn run(args: &HfArgs) -> Result<()> {
                     "forward_s": fwd, "backward_s": bwd, "optimizer_s": opt,
                     "peak_rss_bytes": peak_rss,
                     "ratio_vs_limit": if mfu.is_finite() { json!(mfu) } else { Value::Null },
+                    // The peer's loss takes the logits whole.
+                    "fused_loss": name == "zrt" && !args.unfused_loss,
                 })
             );
         } else {

@@ -360,6 +360,7 @@ impl Gpt2 {
             cfg.layers,
             block,
             checkpointed,
+            // No head of its own is built: the embedding is the head.
             (&(p / "lm_head"), false, lora),
         );
         Self {

@@ -1088,12 +1088,14 @@ struct Widths {
     /// LoRA's dropout of each adapter's input (`lora_dropout` > 0).
     dropout: bool,
     /// The model's dropout of the attention's weights over rows of this
-    /// many tokens (GPT-2's `attn_pdrop`): libtorch's CPU attention then
-    /// takes its plain path ([`Widths::attention`]).
+    /// many tokens (GPT-2's `attn_pdrop`, the Llama family's
+    /// `attention_dropout`): libtorch's CPU attention then takes its
+    /// plain path ([`Widths::attention`]).
     attention_dropout: Option<u64>,
     /// The model's dropout of the attention's output and of the MLP's
-    /// before the residual (GPT-2's `resid_pdrop`, both): its mask, in
-    /// the compute dtype, kept where that output needs a gradient.
+    /// before the residual (GPT-2's `resid_pdrop`, both; StableLM's
+    /// `hidden_dropout`, the MLP's alone): its mask, in the compute
+    /// dtype, kept where that output needs a gradient.
     resid_dropout: (bool, bool),
     /// Apertus's xIELU in place of the ungated MLP's activation.
     xielu: bool,

@@ -50,13 +50,11 @@ const OSS_ALPHA: f64 = 1.702;
 /// gate clamped below 7 and `up` within ±7. Keeps `gate_up` alone for
 /// backward when it needs a gradient.
 pub(super) fn clamped(gate_up: &Tensor) -> Tensor {
-    if !gate_up.requires_grad() {
-        return clamped_plainly(gate_up);
-    }
-    glue::checkpoint_without_draws(&[gate_up], |x| Ok(clamped_plainly(&x[0]))).unwrap_or_else(|e| {
-        tracing::warn!("{e}: GPT-OSS's activation keeps its clamps and factors");
-        clamped_plainly(gate_up)
-    })
+    input_alone(
+        gate_up,
+        clamped_plainly,
+        "GPT-OSS's activation keeps its clamps and factors",
+    )
 }
 
 /// `gelu_new` as `NewGELUActivation` computes it, `0.5 x (1 +
@@ -65,12 +63,23 @@ pub(super) fn clamped(gate_up: &Tensor) -> Tensor {
 /// backward when it needs a gradient: plainly, the tanh's output, its
 /// sum with 1 and half of `x` were kept beside `x`.
 pub(super) fn gelu_new(x: &Tensor) -> Tensor {
+    input_alone(
+        x,
+        gelu_new_plainly,
+        "gelu_new keeps its intermediate values",
+    )
+}
+
+/// `f(x)`, keeping `x` alone for backward when it needs a gradient, `f`
+/// computed again there (it must draw no random numbers); `f` plainly,
+/// `what` logged, should the checkpoint fail.
+fn input_alone(x: &Tensor, f: fn(&Tensor) -> Tensor, what: &str) -> Tensor {
     if !x.requires_grad() {
-        return gelu_new_plainly(x);
+        return f(x);
     }
-    glue::checkpoint_without_draws(&[x], |x| Ok(gelu_new_plainly(&x[0]))).unwrap_or_else(|e| {
-        tracing::warn!("{e}: gelu_new keeps its intermediate values");
-        gelu_new_plainly(x)
+    glue::checkpoint_without_draws(&[x], move |x| Ok(f(&x[0]))).unwrap_or_else(|e| {
+        tracing::warn!("{e}: {what}");
+        f(x)
     })
 }
 

@@ -16,7 +16,7 @@
 //! [`phi`]). The models' own dropouts are counted (each keeps its mask;
 //! dropping out the attention's weights sends libtorch's CPU attention
 //! down its plain path, which keeps fp32 weights for every pair of
-//! tokens), but where [`dropouts`] and the three modules say not.
+//! tokens), but where [`dropouts`] says not.
 //! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it
 //! to what libtorch allocates, to the byte.
 //!
@@ -199,15 +199,14 @@ struct Alike {
     widths: Widths,
     /// The ranks of LoRA's adapters on a layer.
     ranks: fn(&LoraConfig, i64) -> Ranks,
-    /// Its attention's weights dropped out (counted as GPT-2's).
+    /// Its attention's weights dropped out (libtorch's plain CPU
+    /// attention, [`Widths::attention`]).
     attention_dropout: bool,
     /// The embeddings dropped out: their mask is kept where they train.
     embed_dropout: bool,
     /// Learned positions looked up (GPT-2's): the lookup keeps them,
     /// int64, where they train.
     positions: bool,
-    /// A dropout this count does not know: it says `None`.
-    uncounted: bool,
 }
 
 impl Alike {
@@ -219,7 +218,7 @@ impl Alike {
         (recompute, fused_loss): (bool, bool),
         lora: Option<&LoraConfig>,
     ) -> Option<u64> {
-        if self.uncounted || lora.is_some_and(|l| !adapters_alone(l, self.ends)) {
+        if lora.is_some_and(|l| !adapters_alone(l, self.ends)) {
             return None;
         }
         let w = Widths {

@@ -56,7 +56,6 @@ fn alike(c: &Gpt2Config) -> Alike {
         attention_dropout: c.attn_dropout > 0.0,
         embed_dropout: c.embd_dropout > 0.0,
         positions: true,
-        uncounted: false,
     }
 }
 

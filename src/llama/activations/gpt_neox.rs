@@ -18,12 +18,10 @@ use crate::lora::LoraConfig;
 /// each layer's saved tensors (with `recompute`, its input alone), the
 /// final norm's and the loss's (`fused_loss`: the head fused with it),
 /// `kind` the compute dtype, the whole model training or `lora`'s
-/// adapters on a frozen base, `hidden_dropout`'s masks (of the
-/// embeddings and each sublayer's output) too. `None` with
-/// `attention_dropout` (whose plain attention keeps what GPT-2's does
-/// where the queries, keys and values all need a gradient, and other
-/// tensors where some do not), and under LoRA with more than the
-/// layers' adapters training.
+/// adapters on a frozen base, its dropouts too (`hidden_dropout`'s
+/// masks of the embeddings and each sublayer's output;
+/// `attention_dropout`'s plain CPU attention). `None` under LoRA with
+/// more than the layers' adapters training.
 pub fn held_for_backward(
     c: &GptNeoxConfig,
     rows_seq: (u64, u64),
@@ -61,10 +59,9 @@ fn alike(c: &GptNeoxConfig) -> Alike {
             ..plain
         },
         ranks,
-        attention_dropout: false,
+        attention_dropout: c.attention_dropout > 0.0,
         embed_dropout: c.hidden_dropout > 0.0,
         positions: false,
-        uncounted: c.attention_dropout > 0.0,
     }
 }
 

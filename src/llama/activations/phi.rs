@@ -17,11 +17,10 @@ use crate::phi::PhiConfig;
 /// each layer's saved tensors (with `recompute`, its input alone), the
 /// final norm's and the loss's (`fused_loss`: the head fused with it),
 /// `kind` the compute dtype, the whole model training or `lora`'s
-/// adapters on a frozen base, the masks of `embd_pdrop` and
-/// `resid_pdrop` (phi-2's 0.1) too. `None` with `attention_dropout`
-/// (whose plain attention keeps what GPT-2's does where the queries,
-/// keys and values all need a gradient, and other tensors where some do
-/// not), and under LoRA with more than the layers' adapters training.
+/// adapters on a frozen base, its dropouts too (the masks of
+/// `embd_pdrop` and `resid_pdrop`, phi-2's 0.1; `attention_dropout`'s
+/// plain CPU attention). `None` under LoRA with more than the layers'
+/// adapters training.
 pub fn held_for_backward(
     c: &PhiConfig,
     rows_seq: (u64, u64),
@@ -60,10 +59,9 @@ fn alike(c: &PhiConfig) -> Alike {
             ..plain
         },
         ranks,
-        attention_dropout: false,
+        attention_dropout: c.attention_dropout > 0.0,
         embed_dropout: c.embd_dropout > 0.0,
         positions: false,
-        uncounted: c.attention_dropout > 0.0,
     }
 }
 

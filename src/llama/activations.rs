@@ -57,7 +57,7 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// [`COUNTED_FAMILIES`], or a layer of one unlike what is counted there
 /// (a mixture of experts other than a plain one, `Experts::of`), whose
 /// gates save other tensors;
-/// a dropout of the model's that it does not follow ([`dropouts`]:
+/// a dropout of the model's that it does not follow (`dropouts`:
 /// Falcon's, a mixture's, the weights' of an attention not the fused
 /// kernel's; the others are counted, each keeping its mask, and the
 /// attention's weights' taking libtorch's plain CPU attention, which

@@ -280,12 +280,18 @@ type Slot = fn(&mut Ranks) -> &mut u64;
 fn ranks_of(l: &LoraConfig, prefix: &str, names: &[(&str, Slot)]) -> Ranks {
     let mut r = Ranks::default();
     for (module, slot) in names {
-        let name = format!("{prefix}{module}");
-        if l.targets(&name) {
-            *slot(&mut r) = l.rank_of(&name).max(0) as u64;
-        }
+        *slot(&mut r) = rank_at(l, &format!("{prefix}{module}"));
     }
     r
+}
+
+/// The rank of `l`'s adapter on the module `name`, 0 where it targets
+/// none.
+fn rank_at(l: &LoraConfig, name: &str) -> u64 {
+    match l.targets(name) {
+        true => l.rank_of(name).max(0) as u64,
+        false => 0,
+    }
 }
 
 /// Which of `c`'s own dropouts are on: of the attention's weights, of
@@ -849,13 +855,7 @@ impl Ranks {
     /// The ranks of `l`'s adapters on layer `layer` of `c`: none on a
     /// module the layer lacks (Arcee's gate).
     fn of(l: &LoraConfig, layer: i64, c: &LlamaConfig) -> Self {
-        let rank = |module: &str| {
-            let name = format!("model.layers.{layer}.{module}");
-            match l.targets(&name) {
-                true => l.rank_of(&name).max(0) as u64,
-                false => 0,
-            }
-        };
+        let rank = |module: &str| rank_at(l, &format!("model.layers.{layer}.{module}"));
         // StarCoder2's MLP under GPT-2's names, Persimmon's layer under
         // GPT-NeoX's, Llama 4's MLP under `feed_forward`, LFM2's too
         // under Llama's original names.

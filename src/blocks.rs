@@ -514,6 +514,27 @@ impl LossFusing {
         let mean = mean && targets.ne(-100).any().int64_value(&[]) != 0;
         Some((targets, mean))
     }
+
+    /// The causal-LM loss of `tokens`' predictions `counted` marks
+    /// ([`LossFusing::targets`]), `ends`' head fused with it
+    /// ([`Ends::head_loss`], `bias` and `after` applied to the head's
+    /// product) on the hidden states `hidden` computes; `None`, before
+    /// `hidden` runs, where it cannot ([`Ends::fuses`]).
+    pub(crate) fn head_loss(
+        &self,
+        ends: &Ends,
+        (tokens, counted): (&Tensor, (&Tensor, bool)),
+        (bias, after): (Option<&Tensor>, LogitsAfter),
+        hidden: impl FnOnce() -> Tensor,
+    ) -> Option<Tensor> {
+        let (targets, mean) = self.targets(tokens, counted)?;
+        if !ends.fuses(&targets, bias) {
+            return None;
+        }
+        let x = hidden();
+        let x = x.reshape([-1, x.size().last().copied().unwrap_or(0)]);
+        Some(ends.head_loss(&x, (&targets, mean), bias, after))
+    }
 }
 
 /// Whether `targets` are int64, one dimension, each in `0..vocab` or -100.
@@ -696,13 +717,9 @@ impl<L: Module + 'static> Decoder<L> {
         (embed_dropout, documents): (f64, Option<Documents>),
         counted: (&Tensor, bool),
     ) -> Option<Tensor> {
-        let (targets, mean) = self.fusing.targets(tokens, counted)?;
-        if !self.ends.fuses(&targets, None) {
-            return None;
-        }
-        let x = self.hidden(tokens, embed_dropout, documents);
-        let x = x.reshape([-1, x.size().last().copied().unwrap_or(0)]);
-        Some((self.ends).head_loss(&x, (&targets, mean), None, LogitsAfter::default()))
+        let hidden = || self.hidden(tokens, embed_dropout, documents);
+        let after = (None, LogitsAfter::default());
+        (self.fusing).head_loss(&self.ends, (tokens, counted), after, hidden)
     }
 }
 

@@ -619,18 +619,9 @@ impl Llama {
         if self.cfg.z_loss > 0.0 {
             return None;
         }
-        let (targets, mean) = self.fusing.targets(tokens, (counted, mean))?;
-        let bias = self.tied_head_bias.as_ref();
-        if !self.ends.fuses(&targets, bias) {
-            return None;
-        }
-        let x = self.hidden_in(tokens, documents);
-        let width = x.size().last().copied().unwrap_or(0);
-        let after = self.logits_after();
-        Some(
-            self.ends
-                .head_loss(&x.reshape([-1, width]), (&targets, mean), bias, after),
-        )
+        let after = (self.tied_head_bias.as_ref(), self.logits_after());
+        let hidden = || self.hidden_in(tokens, documents);
+        (self.fusing).head_loss(&self.ends, (tokens, (counted, mean)), after, hidden)
     }
 
     /// The hidden states the head reads for `tokens`, packed in

@@ -116,6 +116,16 @@ impl Layout {
         Some(crate::lora::TiedHead { embedding, head })
     }
 
+    /// Its vocabulary: its head's rows.
+    fn vocab(&self) -> i64 {
+        match self {
+            Self::Gpt2(c) => c.vocab,
+            Self::GptNeox(c) => c.vocab,
+            Self::Phi(c) => c.vocab,
+            Self::Llama(c) => c.vocab,
+        }
+    }
+
     /// Reads `config` (a `config.json` or the directory holding it),
     /// choosing the layout by its `model_type`.
     /// The config itself comes back too, for [`Layout::export`].
@@ -275,6 +285,15 @@ pub fn held_for_backward(
         Layout::Phi(c) => crate::phi::held_for_backward(&c, rows_seq, kind, keeping, lora),
         Layout::Gpt2(c) => crate::gpt2::held_for_backward(&c, rows_seq, kind, keeping, lora),
     })
+}
+
+/// Whether the model `config` describes, its head fused with its loss,
+/// keeps its logits' fp32 log-probabilities for backward over `tokens`
+/// tokens a forward: when one block of the fused loss holds them all
+/// ([`crate::zero::glue::keeps_logits`]), as [`held_for_backward`] counts.
+pub fn fused_loss_keeps_logits(config: impl AsRef<Path>, tokens: u64) -> Result<bool, HfError> {
+    let vocab = counted_layout(config.as_ref())?.vocab();
+    Ok(crate::zero::glue::keeps_logits(tokens, vocab.max(0) as u64))
 }
 
 /// The parameters `lora`'s adapters hold on the model `config`

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use common::{config_zero, seeded, solo_engine, BF16};
 use tch::{nn, Device, Kind, Tensor};
 use zrt::llama::{adapter_params, held_for_backward, Llama, LlamaConfig};
-use zrt::zero::glue::{allocated, reset_peak_allocated, track_allocations};
+use zrt::zero::glue::{allocated, keeps_logits, reset_peak_allocated, track_allocations};
 use zrt::zero::ShardPlan;
 
 static TURNS: Mutex<()> = Mutex::new(());
@@ -916,6 +916,42 @@ fn the_unfused_loss_keeps_its_logits_as_the_head_made_them() {
                     want,
                     "{model_type} in {kind:?}, {rows} rows, fused {fused}"
                 );
+                loss.backward();
+                assert!(vs.trainable_variables().iter().all(|v| v.grad().defined()));
+            }
+        }
+    }
+}
+
+#[test]
+fn the_fused_loss_keeps_its_logits_only_when_one_block_holds_them() {
+    // Of 180000 words, one row's logits fit one block of the fused loss,
+    // which then keeps their log-probabilities (and the soft cap's tanh)
+    // for backward, as the unfused loss would; two rows' take two
+    // blocks, and it keeps one number a position instead.
+    let _t = turn();
+    track_allocations().unwrap();
+    let vocab = 180_000;
+    let one_row = SEQ as u64;
+    assert!(keeps_logits(one_row, vocab) && !keeps_logits(ROWS as u64 * one_row, vocab));
+    let capped = (COUNTED.iter())
+        .find(|(t, extra)| *t == "gemma2" && !extra.contains("null"))
+        .expect("a soft-capped Gemma 2 among the counted");
+    for &(model_type, extra) in [&COUNTED[0], capped] {
+        let extra = format!("{extra}, \"vocab_size\": {vocab}");
+        let c = LlamaConfig::from_hf_dir(config(model_type, &extra)).unwrap();
+        assert_eq!(
+            c.vocab, vocab as i64,
+            "the config's second vocab_size is read"
+        );
+        for kind in [Kind::Float, Kind::BFloat16] {
+            for rows in [1, ROWS] {
+                let tokens = tokens().narrow(0, 0, rows);
+                let (vs, model) = built(&c, kind, false, None);
+                let (held, loss) = held_by(|| model.loss(&tokens));
+                let want =
+                    held_for_backward(&c, (rows as u64, SEQ as u64), kind, (false, true), None);
+                assert_eq!(Some(held), want, "{model_type} in {kind:?}, {rows} rows");
                 loss.backward();
                 assert!(vs.trainable_variables().iter().all(|v| v.grad().defined()));
             }

@@ -1263,7 +1263,9 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
 fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // TinyLlama 1.1B's shape, one row of 256 tokens a rank: fp32 each
     // layer's saved tensors (the formula `tests/activation_memory.rs`
-    // holds to libtorch's allocations), bf16 each layer's input.
+    // holds to libtorch's allocations), bf16 each layer's input. Their
+    // 256 x 32000 logits fit one block of the fused loss, which keeps
+    // their fp32 log-probabilities (31.25 MiB); two rows' do not.
     let dir = common::scratch("cli-estimate-activations");
     let tiny = dir.join("tinyllama.json");
     std::fs::write(
@@ -1284,12 +1286,16 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     let (ok, out) = zrt(&[&base[..], &["--dtype", "fp32"]].concat());
     assert!(
         ok && out
-            .contains("activations: a forward of 1 x 256 tokens in fp32 holds 738.23 MiB a rank"),
+            .contains("activations: a forward of 1 x 256 tokens in fp32 holds 769.48 MiB a rank"),
         "{out}"
     );
-    // The three terms summed: 8.20 GiB, 750 MiB and 738 MiB.
     assert!(
-        out.contains("stage 3 in all: 9.65 GiB a rank while it trains"),
+        out.contains("which keeps the logits' log-probabilities in fp32 as one of its blocks"),
+        "{out}"
+    );
+    // The three terms summed: 8.20 GiB, 750 MiB and 769 MiB.
+    assert!(
+        out.contains("stage 3 in all: 9.68 GiB a rank while it trains"),
         "{out}"
     );
     // A config's stage below 3: its model state, the largest unit's
@@ -1297,8 +1303,8 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // activations; at stage 1 the reduced shards too, held to the step
     // beside the whole sum (2.05 GiB).
     for (stage, said) in [
-        (2, "stage 2 in all: 11.45 GiB a rank while it trains"),
-        (1, "stage 1 in all: 15.55 GiB a rank while it trains"),
+        (2, "stage 2 in all: 11.48 GiB a rank while it trains"),
+        (1, "stage 1 in all: 15.58 GiB a rank while it trains"),
     ] {
         let ds = dir.join(format!("ds{stage}.json"));
         let json =
@@ -1318,11 +1324,14 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     ]
     .concat());
     assert!(
-        ok && out.contains("a forward of 2 x 256 tokens in bf16, each layer recomputed in backward holds 52.11 MiB a rank"),
+        ok && out.contains("a forward of 2 x 256 tokens in bf16, each layer recomputed in backward holds 52.11 MiB a rank")
+            && out.contains("the head fused with the loss, no logits kept"),
         "{out}"
     );
     // A window shorter than the row: twice the tokens keep twice the
-    // bytes, and the layers one mask of 256 x 256 scores in bf16. The
+    // bytes (the fused loss each logit's fp32 log-probability: one of
+    // its blocks holds them all), and the layers one mask of 256 x 256
+    // scores in bf16. The
     // attention's dropout takes the plain attention, which keeps fp32
     // weights for every pair of tokens (1.5 MiB of them here); a
     // mixture's dropout is not counted, and said so.
@@ -1345,17 +1354,17 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         (
             &mistral,
             "128",
-            "a forward of 1 x 128 tokens in bf16 holds 2.51 MiB",
+            "a forward of 1 x 128 tokens in bf16 holds 3.00 MiB",
         ),
         (
             &mistral,
             "256",
-            "a forward of 1 x 256 tokens in bf16 holds 5.14 MiB",
+            "a forward of 1 x 256 tokens in bf16 holds 6.12 MiB",
         ),
         (
             &dropout,
             "128",
-            "a forward of 1 x 128 tokens in bf16 holds 4.50 MiB",
+            "a forward of 1 x 128 tokens in bf16 holds 4.99 MiB",
         ),
         (&experts, "128", "activations: not counted for this model"),
     ] {
@@ -1671,8 +1680,8 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         "with 1.100e9 frozen params",
         "stage 3:       2.14 GiB",
         "the largest, `lm_head` (65536000 params, frozen), adds 250.00 MiB",
-        "a forward of 1 x 256 tokens in fp32, LoRA r 16 adapters training holds 648.64 MiB a rank",
-        "stage 3 in all: 3.02 GiB a rank while it trains",
+        "a forward of 1 x 256 tokens in fp32, LoRA r 16 adapters training holds 679.89 MiB a rank",
+        "stage 3 in all: 3.05 GiB a rank while it trains",
     ] {
         assert!(out.contains(said), "{said}: {out}");
     }
@@ -1680,7 +1689,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // own dropped input and its mask, where one input was kept for all.
     let (ok, out) = zrt(&[&base[..], &lora[..], &["--lora-dropout", "0.05"]].concat());
     assert!(
-        ok && out.contains("LoRA r 16 adapters training holds 1.18 GiB a rank"),
+        ok && out.contains("LoRA r 16 adapters training holds 1.21 GiB a rank"),
         "{out}"
     );
     // At stage 2 the frozen model is every rank's, whole (4.10 GiB),
@@ -1688,7 +1697,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     let ds2 = dir.join("ds2.json");
     let (ok, out) = zrt(&[&base[..], &lora[2..], &["--config", ds2.to_str().unwrap()]].concat());
     assert!(
-        ok && out.contains("stage 2 in all: 4.85 GiB a rank while it trains")
+        ok && out.contains("stage 2 in all: 4.88 GiB a rank while it trains")
             && !out.contains("gathers"),
         "{out}"
     );

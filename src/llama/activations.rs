@@ -37,6 +37,7 @@ use tch::Kind;
 use super::config::{Activation, LlamaConfig, Mla, MoeConfig};
 use super::family::Family;
 use crate::lora::LoraConfig;
+use crate::zero::glue::keeps_logits;
 
 /// The bytes of the generator state each recomputed layer keeps to draw
 /// its dropout again (libtorch's CPU generator, serialized).
@@ -183,7 +184,7 @@ pub fn held_for_backward(
     // dtype, which the product keeps when the embeddings train.
     let scale = (full && w.norms == Norms::Offset) as u64 * b;
     let vocab = (dims(c.vocab), c.final_softcap.is_some());
-    let kept = logits_kept((rows, seq), b, vocab);
+    let kept = logits_kept((rows, seq), b, vocab, fused_loss);
     Some(held + mask + chunks + scale + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
 }
 
@@ -246,7 +247,7 @@ impl Alike {
             });
             live = out_live;
         }
-        let kept = logits_kept((rows, seq), w.b, (self.vocab, false));
+        let kept = logits_kept((rows, seq), w.b, (self.vocab, false), fused_loss);
         Some(held + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
     }
 
@@ -329,8 +330,8 @@ fn bytes_of(kind: Kind) -> Option<u64> {
 }
 
 /// What the layers leave after them for `tokens` tokens: the final norm's,
-/// the head's input and the loss's (`kept`: the logits the unfused loss
-/// keeps, [`logits_kept`]; with `fused_loss` a few bytes a token), given
+/// the head's input and the loss's (`kept`: what the loss keeps of the
+/// logits, [`logits_kept`]), given
 /// whether the last layer's output needs a gradient (`live`) and the
 /// whole model trains (`full`).
 fn kept_for_head(
@@ -341,33 +342,45 @@ fn kept_for_head(
 ) -> u64 {
     let logits_live = live || full;
     // The final norm; the head's input, when the head trains or the
-    // fused loss computes its logits again from it.
+    // fused loss keeps it (to compute its logits again, or the matrix's
+    // gradient).
     let head = w.norm(live, full) + (full || (fused_loss && logits_live)) as u64 * w.b * w.h;
     let final_norm = w.norm_weights(live);
-    let loss = match fused_loss {
-        // `glue::linear_cross_entropy`: one fp32 log-sum-exp and one
-        // int64 target a position, the count and the loss.
-        true => logits_live as u64 * (tokens * 12 + 8),
-        false => kept * logits_live as u64,
-    };
-    tokens * head + final_norm + loss
+    tokens * head + final_norm + kept * logits_live as u64
 }
 
-/// What the unfused loss keeps of `rows` rows of `seq` tokens' logits
-/// of a `vocab` in `b` bytes a value, with its count and scalar: the
+/// What the loss keeps of `rows` rows of `seq` tokens' logits of a
+/// `vocab` in `b` bytes a value. Unfused, with its count and scalar: the
 /// logits in the compute dtype (`glue::cross_entropy`: of one row a view
 /// of all of them, of more a copy of every position but each row's
 /// last), with more than one row the targets gathered into one int64
 /// vector, and, when `capped`, Gemma 2's soft cap's tanh, every
 /// position's.
-fn logits_kept((rows, seq): (u64, u64), b: u64, (vocab, capped): (u64, bool)) -> u64 {
+///
+/// With `fused_loss`, what `glue::linear_cross_entropy` keeps of every
+/// position's: one int64 target each and the count and the loss, beside
+/// one fp32 log-sum-exp each when it runs in blocks, or when one block
+/// holds every logit (`glue::keeps_logits`) every fp32 log-probability
+/// and the soft cap's tanh.
+fn logits_kept(
+    (rows, seq): (u64, u64),
+    b: u64,
+    (vocab, capped): (u64, bool),
+    fused_loss: bool,
+) -> u64 {
     let tokens = rows * seq;
+    let capped = capped as u64 * tokens * b * vocab;
+    if fused_loss {
+        return match keeps_logits(tokens, vocab) {
+            true => tokens * (8 + 4 * vocab) + capped + 8,
+            false => tokens * (8 + 4) + 8,
+        };
+    }
     let predicted = rows * seq.saturating_sub(1);
     let (kept, targets) = match rows > 1 {
         true => (predicted, 8 * predicted),
         false => (tokens, 0),
     };
-    let capped = capped as u64 * tokens * b * vocab;
     kept * b * vocab + 8 + targets + capped
 }
 

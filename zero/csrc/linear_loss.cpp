@@ -12,7 +12,10 @@
 // of the matrix's gradient are one product over every row, as the
 // unfused head's are, and only the hidden states' gradient is summed
 // over blocks (in fp32, then rounded once). When one block holds every
-// column, both run the unfused loss's own kernels.
+// column (a block holds `block_logits` logits: Rust's `BLOCK_LOGITS`), forward runs
+// the unfused loss's own kernels and keeps their log-probabilities, as the
+// unfused loss does, so that backward does not compute them again: the
+// fused loss then costs no more time than the unfused one.
 //
 // As in glue.cpp, every entry point catches every C++ exception and
 // returns it as a heap string; a null return means success.
@@ -46,10 +49,8 @@ namespace {
 
 char *linear_loss_error(const std::string &msg) { return strdup(msg.c_str()); }
 
-// Elements of a block's fp32 logits: about 32 MiB.
-constexpr int64_t kBlockElements = int64_t{8} << 20;
-
-int64_t block_of(int64_t across) { return std::max<int64_t>(1, kBlockElements / std::max<int64_t>(across, 1)); }
+// The columns of a block of `logits` logits over `across` rows: at least one.
+int64_t block_of(int64_t logits, int64_t across) { return std::max<int64_t>(1, logits / std::max<int64_t>(across, 1)); }
 
 // What the model does to the head's output before the loss, in its order
 // and with its ops: a bias added after the product (CTRL's tied head's),
@@ -109,25 +110,30 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
   // `targets` `[rows]` int64 (`ignore`: not counted). The cross-entropy
   // of the logits `post(h wᵀ + b)` in fp32 (or a wider dtype of h's):
   // their sum over the counted rows, or with `mean` their mean (NaN when
-  // none counts, as libtorch's).
+  // none counts, as libtorch's). Each block is at most `logits` logits
+  // (a whole number of columns over every row, at least one column).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const at::Tensor &h,
                                                 const at::Tensor &w, const std::optional<at::Tensor> &bias,
                                                 const at::Tensor &targets, int64_t ignore, bool mean,
-                                                bool bias_after, double divide, double multiply, double cap) {
+                                                bool bias_after, double divide, double multiply, double cap,
+                                                int64_t logits) {
     // An optional bias: an undefined tensor among the inputs would have
     // autograd describe a tensor that is not there.
     const auto b = bias.value_or(at::Tensor());
     const Post post{bias_after, divide, multiply, cap};
-    const int64_t rows = h.size(0), vocab = w.size(0), block = block_of(rows);
+    const int64_t rows = h.size(0), vocab = w.size(0), block = block_of(logits, rows);
     const auto fp = at::promote_types(h.scalar_type(), at::kFloat);
     const auto counted = targets.ne(ignore);
-    at::Tensor loss, lse;
-    if (block >= vocab) {
+    // `kept`: each row's log-sum-exp, or with one block every column's
+    // log-probability; `capped`: with one block, the soft cap's tanh.
+    at::Tensor loss, kept, capped;
+    const bool whole = block >= vocab;
+    if (whole) {
       // One block holds every column: libtorch's log-softmax and NLL on
-      // the whole rows, as the unfused loss runs them.
-      const auto z = logits_of(h, w, b, post, nullptr).to(fp);
-      loss = at::nll_loss(at::log_softmax(z, 1), targets, {}, at::Reduction::Sum, ignore);
-      lse = at::logsumexp(z, {1});
+      // the whole rows, as the unfused loss runs them, and what their
+      // backward reads kept, as the unfused loss keeps it.
+      kept = at::log_softmax(logits_of(h, w, b, post, &capped).to(fp), 1);
+      loss = at::nll_loss(kept, targets, {}, at::Reduction::Sum, ignore);
     } else {
       // A block of columns at a time, every row in each: each block's
       // product is as wide in its rows as the unfused one (a block of
@@ -151,14 +157,16 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
           picked.index_put_({here}, z.index({here, local.index_select(0, here)}));
         }
       }
-      lse = most + sum.log();
-      loss = at::where(counted, lse - picked, at::zeros({}, lse.options())).sum();
+      kept = most + sum.log();
+      loss = at::where(counted, kept - picked, at::zeros({}, kept.options())).sum();
     }
     auto count = counted.sum().to(fp);
     if (mean) {
       loss = loss / count;
     }
-    ctx->save_for_backward({h, w, b, targets, lse, count});
+    ctx->save_for_backward({h, w, b, targets, kept, count, capped});
+    ctx->saved_data["whole"] = whole;
+    ctx->saved_data["logits"] = logits;
     ctx->saved_data["ignore"] = ignore;
     ctx->saved_data["mean"] = mean;
     ctx->saved_data["bias_after"] = bias_after;
@@ -171,14 +179,14 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &h = saved[0], &w = saved[1], &b = saved[2], &targets = saved[3], &lse = saved[4],
-               &count = saved[5];
+    const auto &h = saved[0], &w = saved[1], &b = saved[2], &targets = saved[3], &kept = saved[4],
+               &count = saved[5], &capped = saved[6];
     const int64_t ignore = ctx->saved_data["ignore"].toInt();
     const Post post{ctx->saved_data["bias_after"].toBool(), ctx->saved_data["divide"].toDouble(),
                     ctx->saved_data["multiply"].toDouble(), ctx->saved_data["cap"].toDouble()};
     const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1),
                need_b = b.defined() && ctx->needs_input_grad(2);
-    const int64_t rows = h.size(0), vocab = w.size(0), block = block_of(rows);
+    const int64_t vocab = w.size(0), block = block_of(ctx->saved_data["logits"].toInt(), h.size(0));
     const auto fp = at::promote_types(h.scalar_type(), at::kFloat);
     auto seed = grads[0].to(fp);
     if (ctx->saved_data["mean"].toBool()) {
@@ -186,19 +194,21 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     }
     // The bias's gradient sums the rows.
     const std::vector<int64_t> over_rows{0};
-    if (block >= vocab) {
-      // One block holds every column: the unfused head's and loss's own
-      // kernels on the whole rows, so that their gradients are the same
-      // bits (a small vocabulary, or few tokens).
-      at::Tensor capped;
-      const auto z = logits_of(h, w, b, post, &capped);
-      const auto logp = at::log_softmax(z.to(fp), 1);
-      const auto dlogp = at::nll_loss_backward(seed, logp, targets, {}, at::Reduction::Sum, ignore, count);
-      const auto dz = at::_log_softmax_backward_data(dlogp, logp, 1, fp).to(z.scalar_type());
+    if (ctx->saved_data["whole"].toBool()) {
+      // One block held every column: the unfused loss's and head's own
+      // kernels on the log-probabilities forward kept, so that their
+      // gradients are the same bits (a small vocabulary, or few tokens).
+      // The NLL's gradient is freed before the products, as autograd
+      // frees it between the unfused loss's nodes.
+      const auto dz = [&] {
+        const auto dlogp = at::nll_loss_backward(seed, kept, targets, {}, at::Reduction::Sum, ignore, count);
+        return at::_log_softmax_backward_data(dlogp, kept, 1, fp).to(h.scalar_type());
+      }();
       const auto dlin = before_post(dz, capped, post);
       return {need_h ? at::mm(dlin, w) : at::Tensor(),
               need_w ? at::mm(dlin.t(), h) : at::Tensor(),
               need_b ? dlin.sum(over_rows) : at::Tensor(),
+              at::Tensor(),
               at::Tensor(),
               at::Tensor(),
               at::Tensor(),
@@ -210,24 +220,24 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     // Each row's share of the seed: none for a row not counted.
     const auto counted = targets.ne(ignore);
     const auto row_seed = counted.to(fp) * seed;
-    auto grad_h = need_h ? at::zeros({rows, h.size(1)}, h.options().dtype(fp)) : at::Tensor();
+    auto grad_h = need_h ? at::zeros({h.size(0), h.size(1)}, h.options().dtype(fp)) : at::Tensor();
     auto grad_w = need_w ? at::empty_like(w, at::MemoryFormat::Contiguous) : at::Tensor();
     auto grad_b = need_b ? at::empty_like(b, at::MemoryFormat::Contiguous) : at::Tensor();
     for (int64_t v = 0; v < vocab; v += block) {
       const int64_t m = std::min(block, vocab - v);
       const auto wv = w.narrow(0, v, m);
       const auto bv = b.defined() ? b.narrow(0, v, m) : at::Tensor();
-      at::Tensor capped;
-      const auto z = logits_of(h, wv, bv, post, &capped);
+      at::Tensor tanh_z;
+      const auto z = logits_of(h, wv, bv, post, &tanh_z);
       // The cross-entropy's gradient at these columns: the softmax times
       // each row's seed, less the seed at the row's target.
-      auto dz = (z.to(fp) - lse.unsqueeze(1)).exp_() * row_seed.unsqueeze(1);
+      auto dz = (z.to(fp) - kept.unsqueeze(1)).exp_() * row_seed.unsqueeze(1);
       const auto local = targets - v;
       const auto here = (counted & local.ge(0) & local.lt(m)).nonzero().squeeze(1);
       if (here.numel() > 0) {
         dz.index_put_({here, local.index_select(0, here)}, -row_seed.index_select(0, here), true);
       }
-      const auto dlin = before_post(dz.to(z.scalar_type()), capped, post);
+      const auto dlin = before_post(dz.to(z.scalar_type()), tanh_z, post);
       if (need_w) {
         grad_w.narrow(0, v, m).copy_(at::mm(dlin.t(), h));
       }
@@ -241,7 +251,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     if (need_h) {
       grad_h = grad_h.to(h.scalar_type());
     }
-    return {grad_h,       grad_w,       grad_b,       at::Tensor(), at::Tensor(),
+    return {grad_h,       grad_w,       grad_b,       at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -253,7 +263,7 @@ extern "C" {
 // `LinearCrossEntropy` (see there) into `*out`; `b` null for no bias.
 char *zrt_linear_cross_entropy(const at::Tensor *h, const at::Tensor *w, const at::Tensor *b,
                                const at::Tensor *targets, int64_t ignore, int mean, int bias_after, double divide,
-                               double multiply, double cap, at::Tensor **out) {
+                               double multiply, double cap, int64_t block_logits, at::Tensor **out) {
   try {
     if (h->dim() != 2 || w->dim() != 2 || h->size(1) != w->size(1)) {
       return linear_loss_error("linear_cross_entropy takes hidden states [rows, width] and a matrix [vocab, width]");
@@ -274,7 +284,7 @@ char *zrt_linear_cross_entropy(const at::Tensor *h, const at::Tensor *w, const a
       return linear_loss_error("linear_cross_entropy takes a bias [vocab]");
     }
     auto ys = LinearCrossEntropy::apply(*h, *w, bias, *targets, ignore, mean != 0, bias_after != 0, divide,
-                                        multiply, cap);
+                                        multiply, cap, block_logits);
     *out = new at::Tensor(ys.at(0));
     return nullptr;
   } catch (const std::exception &e) {

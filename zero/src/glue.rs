@@ -19,7 +19,7 @@ mod linear_loss;
 mod loss;
 pub use allocated::{allocated, reset_peak_allocated, track_allocations, Allocated};
 pub use flops::{count_macs, macs_counted};
-pub use linear_loss::{linear_cross_entropy, LogitsAfter};
+pub use linear_loss::{keeps_logits, linear_cross_entropy, LogitsAfter, BLOCK_LOGITS};
 pub use loss::cross_entropy;
 
 use tch::Tensor;

@@ -490,9 +490,13 @@ fn activations(
         None => how.to_string(),
     };
     let held = zrt::hf::held_for_backward(path, (rows, seq), kind, (recompute, fused_loss), lora)?;
-    let loss = match fused_loss {
-        true => "the head fused with the loss, no logits kept; `--unfused-loss` counts them",
-        false => "the logits the loss keeps among them",
+    let keeps_logits = fused_loss && zrt::hf::fused_loss_keeps_logits(path, rows * seq)?;
+    let loss = match (fused_loss, keeps_logits) {
+        (true, false) => "the head fused with the loss, no logits kept; `--unfused-loss` counts them",
+        // Its blocks' size bounds what it keeps: the time of computing
+        // them again is not worth so little memory.
+        (true, true) => "the head fused with the loss, which keeps the logits' log-probabilities in fp32 as one of its blocks of 8M logits holds them all",
+        (false, _) => "the logits the loss keeps among them",
     };
     match held {
         Some(b) => println!(

@@ -640,7 +640,9 @@ impl HfModel {
     /// or backward ([`crate::zero::glue::linear_cross_entropy`]: the head
     /// runs a block of vocabulary columns at a time, in forward and again
     /// in backward), at the cost of the head's product once more; the
-    /// loss is the same within fp32's rounding. It applies to GPT-2,
+    /// loss is the same within fp32's rounding. Logits that one block
+    /// holds ([`crate::zero::glue::keeps_logits`]) are kept as fp32
+    /// log-probabilities instead, and not computed again. It applies to GPT-2,
     /// GPT-NeoX, Phi and the Llama-family layouts whose head is a plain
     /// matrix (no LoRA adapter or trainable tokens on it) and, for the
     /// Llama family, that have no z-loss (Bamba's reads the logits).

@@ -53,7 +53,8 @@ pub struct HfArgs {
     /// zrt's loss takes the head's logits whole (`finetune_hf
     /// --unfused-loss`), as the peer's does, rather than fusing the head
     /// with the loss (the default, which computes the head's product
-    /// once more in backward).
+    /// once more in backward where the logits take more than one of its
+    /// blocks, 8M logits each).
     #[arg(long)]
     unfused_loss: bool,
     /// One JSON object per row on stdout instead of a table.

@@ -146,16 +146,19 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       for (int64_t v = 0; v < vocab; v += block) {
         const int64_t m = std::min(block, vocab - v);
         const auto bv = b.defined() ? b.narrow(0, v, m) : at::Tensor();
+        // A fresh tensor (the product, or its fp32 copy): the
+        // exponentials are taken in place, a pass and a block fewer.
         const auto z = logits_of(h, w.narrow(0, v, m), bv, post, nullptr).to(fp);
-        const auto now = at::maximum(most, std::get<0>(z.max(1)));
-        sum = sum * (most - now).exp_() + (z - now.unsqueeze(1)).exp_().sum(1);
-        most = now;
-        // The targets' logits, where they fall in this block.
+        // The targets' logits, where they fall in this block, before
+        // the exponentials overwrite them.
         const auto local = targets - v;
         const auto here = (counted & local.ge(0) & local.lt(m)).nonzero().squeeze(1);
         if (here.numel() > 0) {
           picked.index_put_({here}, z.index({here, local.index_select(0, here)}));
         }
+        const auto now = at::maximum(most, std::get<0>(z.max(1)));
+        sum = sum * (most - now).exp_() + z.sub_(now.unsqueeze(1)).exp_().sum(1);
+        most = now;
       }
       kept = most + sum.log();
       loss = at::where(counted, kept - picked, at::zeros({}, kept.options())).sum();
@@ -231,7 +234,8 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       const auto z = logits_of(h, wv, bv, post, &tanh_z);
       // The cross-entropy's gradient at these columns: the softmax times
       // each row's seed, less the seed at the row's target.
-      auto dz = (z.to(fp) - kept.unsqueeze(1)).exp_() * row_seed.unsqueeze(1);
+      // In place on `z` or its fp32 copy: nothing else reads it.
+      auto dz = z.to(fp).sub_(kept.unsqueeze(1)).exp_().mul_(row_seed.unsqueeze(1));
       const auto local = targets - v;
       const auto here = (counted & local.ge(0) & local.lt(m)).nonzero().squeeze(1);
       if (here.numel() > 0) {
@@ -245,6 +249,11 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
         grad_b.narrow(0, v, m).copy_(dlin.sum(over_rows));
       }
       if (need_h) {
+        // In fp32 whatever the dtype: each block's product rounded to
+        // bf16 before the sum ran 2.5x as fast on a CPU with bf16
+        // products, but its rounding of shares that cancel put h's
+        // gradient 4-8x further from the unfused one's (to 7.6e-3 of its
+        // largest value, at two blocks).
         grad_h.addmm_(dlin.to(fp), wv.to(fp));
       }
     }

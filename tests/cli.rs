@@ -1331,10 +1331,9 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // A window shorter than the row: twice the tokens keep twice the
     // bytes (the fused loss each logit's fp32 log-probability: one of
     // its blocks holds them all), and the layers one mask of 256 x 256
-    // scores in bf16. The
-    // attention's dropout takes the plain attention, which keeps fp32
-    // weights for every pair of tokens (1.5 MiB of them here); a
-    // mixture's dropout is not counted, and said so.
+    // scores in bf16. The attention's dropout takes the plain attention,
+    // which keeps fp32 weights for every pair of tokens (1.5 MiB of them
+    // here); a mixture's dropout is not counted, and said so.
     let mistral = r#"{"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "sliding_window": 128"#;
     let dropout = hf_config(
         &dir,

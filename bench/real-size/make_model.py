@@ -6,7 +6,8 @@ SHAPE is `tinyllama` (the default: a 1.1B-parameter Llama of TinyLlama's
 shape, its 32000 words written as u16 ids; about 5 GB of memory, 20 s,
 2.1 GB of files) or `qwen2.5-0.5b` (Qwen2.5-0.5B's: 494M parameters,
 151936 words and the head tied, so the ids are u32: pass `--u32`).
-LAYERS (22 and 24 by default) makes a smaller model of the same width:
+LAYERS (the shape's own, 22 or 24, when it is `-` or not given) makes
+a smaller model of the same width:
 11 of TinyLlama's, 0.6B parameters, for the runs at stages 1 and 2 that
 1.1B's state would not fit beside on this machine."""
 import sys

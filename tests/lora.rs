@@ -2615,3 +2615,96 @@ fn a_lora_blocks_frozen_base_is_freed_once_its_backward_is_done() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Under LoRA the head is frozen, and where its logits take more than one
+/// block of the fused loss, forward computes the hidden states' gradient
+/// (`glue::linear_cross_entropy`) and backward only scales it by the seed
+/// (here the engine's division by 2 micro-steps). At stage 3 on 2 ranks,
+/// the head's unit returning that loss, the adapters take the unfused
+/// loss's steps.
+#[test]
+fn a_frozen_head_in_blocks_takes_the_unfused_loss_step_at_stage_3() {
+    let dir = scratch("lora-frozen-head-blocks");
+    // 2 x 64 tokens of 70000 words: 8.96M logits, two blocks.
+    let vocab = 70_000;
+    let rows_seq = (MICRO, 64);
+    assert!(!zrt::zero::glue::keeps_logits(
+        (rows_seq.0 * rows_seq.1) as u64,
+        vocab
+    ));
+    std::fs::write(
+        dir.join("config.json"),
+        format!(
+            r#"{{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                "vocab_size": {vocab}, "max_position_embeddings": 128, "tie_word_embeddings": false}}"#
+        ),
+    )
+    .unwrap();
+    let c = zrt::llama::LlamaConfig::from_hf_dir(&dir).unwrap();
+    let lora = LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "down_proj"]);
+    let run = |fused: bool| {
+        on_ranks(2, |r| {
+            let (vs, plan, model) = common::seeded(|| {
+                let vs = VarStore::new(tch::Device::Cpu);
+                let plan = ShardPlan::new();
+                let m = zrt::llama::Llama::with_lora(&vs.root(), &plan, &c, &lora, false);
+                // B starts at zeros: give the adapters a product, so
+                // that the gradient reaches every one of them.
+                // In the names' order: the map's is drawn at random.
+                let mut vars: Vec<_> = vs.variables().into_iter().collect();
+                vars.sort_by(|a, b| a.0.cmp(&b.0));
+                for (name, mut t) in vars {
+                    if name.contains("lora_B") {
+                        tch::no_grad(|| t.copy_(&(t.randn_like() * 0.1)));
+                    }
+                }
+                (vs, plan, m)
+            });
+            zrt::lora::freeze_base(&vs, &lora).unwrap();
+            model.set_fused_loss(fused);
+            model.set_training(true);
+            let group = r.new_group(&[0, 1]).unwrap();
+            let ds = common::config_of("SGD", 3, 2, 0.0, "", SHARD_ALL);
+            let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+            let init = e.gathered_params().unwrap();
+            let mut losses = Vec::new();
+            for k in 0..2 {
+                let n = rows_seq.0 * rows_seq.1;
+                let from = (r.rank() as i64 * 2 + k) * n;
+                let x =
+                    (Tensor::arange_start(from, from + n, (tch::Kind::Int64, tch::Device::Cpu))
+                        * 7919)
+                        .remainder(vocab as i64)
+                        .view([rows_seq.0, rows_seq.1]);
+                let loss = model.loss(&x);
+                losses.push(loss.double_value(&[]));
+                e.backward(&loss).unwrap();
+                e.step().unwrap();
+            }
+            (losses, init, e.gathered_params().unwrap())
+        })
+        .remove(0)
+    };
+    let ((fused_losses, init, fused), (losses, _, unfused)) = (run(true), run(false));
+    for (a, b) in fused_losses.iter().zip(&losses) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "loss {a} against {b}");
+    }
+    assert_eq!(fused.len(), unfused.len());
+    assert!(
+        fused.iter().all(|(n, _)| n.contains("lora_")),
+        "{:?}",
+        fused.iter().map(|p| &p.0).collect::<Vec<_>>()
+    );
+    let (mut near, mut moved) = (0.0f32, 0.0f32);
+    for (((name, a), (other, b)), (_, before)) in fused.iter().zip(&unfused).zip(&init) {
+        assert_eq!(name, other);
+        for ((x, y), z) in a.iter().zip(b).zip(before) {
+            near = near.max((x - y).abs());
+            moved = moved.max((y - z).abs());
+        }
+    }
+    assert!(near < 1e-6, "the fused step is {near} off the unfused one");
+    assert!(moved > 1e-4, "the adapters barely moved: {moved}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

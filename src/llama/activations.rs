@@ -184,7 +184,7 @@ pub fn held_for_backward(
     // dtype, which the product keeps when the embeddings train.
     let scale = (full && w.norms == Norms::Offset) as u64 * b;
     let vocab = (dims(c.vocab), c.final_softcap.is_some());
-    let kept = logits_kept((rows, seq), b, vocab, fused_loss);
+    let kept = logits_kept((rows, seq), &w, vocab, (fused_loss, live, full));
     Some(held + mask + chunks + scale + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
 }
 
@@ -247,7 +247,12 @@ impl Alike {
             });
             live = out_live;
         }
-        let kept = logits_kept((rows, seq), w.b, (self.vocab, false), fused_loss);
+        let kept = logits_kept(
+            (rows, seq),
+            &w,
+            (self.vocab, false),
+            (fused_loss, live, full),
+        );
         Some(held + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
     }
 
@@ -330,8 +335,8 @@ fn bytes_of(kind: Kind) -> Option<u64> {
 }
 
 /// What the layers leave after them for `tokens` tokens: the final norm's,
-/// the head's input and the loss's (`kept`: what the loss keeps of the
-/// logits, [`logits_kept`]), given
+/// the head's input and the loss's (`kept`: what the loss keeps,
+/// [`logits_kept`]), given
 /// whether the last layer's output needs a gradient (`live`) and the
 /// whole model trains (`full`).
 fn kept_for_head(
@@ -341,10 +346,9 @@ fn kept_for_head(
     (fused_loss, kept): (bool, u64),
 ) -> u64 {
     let logits_live = live || full;
-    // The final norm; the head's input, when the head trains or the
-    // fused loss keeps it (to compute its logits again, or the matrix's
-    // gradient).
-    let head = w.norm(live, full) + (full || (fused_loss && logits_live)) as u64 * w.b * w.h;
+    // The final norm; the head's input, when the unfused head trains
+    // (the fused loss's is among what it keeps).
+    let head = w.norm(live, full) + (full && !fused_loss) as u64 * w.b * w.h;
     let final_norm = w.norm_weights(live);
     tokens * head + final_norm + kept * logits_live as u64
 }
@@ -358,22 +362,26 @@ fn kept_for_head(
 /// position's.
 ///
 /// With `fused_loss`, what `glue::linear_cross_entropy` keeps of every
-/// position's: one int64 target each and the count and the loss, beside
-/// one fp32 log-sum-exp each when it runs in blocks, or when one block
-/// holds every logit (`glue::keeps_logits`) every fp32 log-probability
-/// and the soft cap's tanh.
+/// position's (the head's input `live`, its matrix trained when `full`):
+/// when one block holds every logit (`glue::keeps_logits`) the head's
+/// input, one int64 target each, every fp32 log-probability and the soft
+/// cap's tanh, and the count and the loss; in blocks, the same with one
+/// fp32 log-sum-exp each for the logits, or with the matrix frozen the
+/// head's input's gradient in fp32, which forward computed, and the loss
+/// alone.
 fn logits_kept(
     (rows, seq): (u64, u64),
-    b: u64,
+    w: &Widths,
     (vocab, capped): (u64, bool),
-    fused_loss: bool,
+    (fused_loss, live, full): (bool, bool, bool),
 ) -> u64 {
-    let tokens = rows * seq;
+    let (tokens, b) = (rows * seq, w.b);
     let capped = capped as u64 * tokens * b * vocab;
     if fused_loss {
-        return match keeps_logits(tokens, vocab) {
-            true => tokens * (8 + 4 * vocab) + capped + 8,
-            false => tokens * (8 + 4) + 8,
+        return match (keeps_logits(tokens, vocab), full) {
+            (true, _) => tokens * (b * w.h + 8 + 4 * vocab) + capped + 8,
+            (false, true) => tokens * (b * w.h + 8 + 4) + 8,
+            (false, false) => live as u64 * tokens * 4 * w.h + 4,
         };
     }
     let predicted = rows * seq.saturating_sub(1);

@@ -15,11 +15,18 @@
 // column (a block holds `block_logits` logits: Rust's `BLOCK_LOGITS`), forward runs
 // the unfused loss's own kernels and keeps their log-probabilities, as the
 // unfused loss does, so that backward does not compute them again: the
-// fused loss then costs no more time than the unfused one.
+// fused loss then costs no more time than the unfused one. When the
+// matrix is frozen (LoRA) and takes more than one block, forward computes
+// the hidden states' gradient as it goes (each block's unnormalized
+// softmax times its rows of the matrix, the sum rescaled as each row's
+// largest logit grows) and keeps that gradient alone: backward scales it
+// by the seed and computes nothing again. That is two products of the
+// head's size, as many as the unfused head and loss run.
 //
 // As in glue.cpp, every entry point catches every C++ exception and
 // returns it as a heap string; a null return means success.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/_log_softmax_backward_data.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
@@ -30,6 +37,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/nll_loss.h>
 #include <ATen/ops/nll_loss_backward.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/tanh_backward.h>
 #include <ATen/ops/where.h>
@@ -112,11 +120,13 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
   // their sum over the counted rows, or with `mean` their mean (NaN when
   // none counts, as libtorch's). Each block is at most `logits` logits
   // (a whole number of columns over every row, at least one column).
+  // With `ahead` (only the hidden states need a gradient), a forward of
+  // more than one block computes their gradient and keeps nothing else.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const at::Tensor &h,
                                                 const at::Tensor &w, const std::optional<at::Tensor> &bias,
                                                 const at::Tensor &targets, int64_t ignore, bool mean,
                                                 bool bias_after, double divide, double multiply, double cap,
-                                                int64_t logits) {
+                                                int64_t logits, bool ahead) {
     // An optional bias: an undefined tensor among the inputs would have
     // autograd describe a tensor that is not there.
     const auto b = bias.value_or(at::Tensor());
@@ -126,8 +136,9 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     const auto counted = targets.ne(ignore);
     // `kept`: each row's log-sum-exp, or with one block every column's
     // log-probability; `capped`: with one block, the soft cap's tanh.
-    at::Tensor loss, kept, capped;
+    at::Tensor loss, kept, capped, grad_h;
     const bool whole = block >= vocab;
+    ahead = ahead && !whole;
     if (whole) {
       // One block holds every column: libtorch's log-softmax and NLL on
       // the whole rows, as the unfused loss runs them, and what their
@@ -143,29 +154,74 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       auto most = at::full({rows}, -std::numeric_limits<double>::infinity(), h.options().dtype(fp));
       auto sum = at::zeros({rows}, h.options().dtype(fp));
       auto picked = at::zeros({rows}, h.options().dtype(fp));
+      // With `ahead`: the sum over blocks of each block's exponentials
+      // (below the row's largest logit so far, as `sum`'s) through the
+      // steps after the product, times its rows of the matrix; and the
+      // soft cap's tanh at each row's target.
+      auto spread = ahead ? at::zeros({rows, h.size(1)}, h.options().dtype(fp)) : at::Tensor();
+      auto picked_tanh = ahead && post.cap > 0.0 ? at::zeros({rows}, h.options().dtype(fp)) : at::Tensor();
       for (int64_t v = 0; v < vocab; v += block) {
         const int64_t m = std::min(block, vocab - v);
+        const auto wv = w.narrow(0, v, m);
         const auto bv = b.defined() ? b.narrow(0, v, m) : at::Tensor();
         // A fresh tensor (the product, or its fp32 copy): the
         // exponentials are taken in place, a pass and a block fewer.
-        const auto z = logits_of(h, w.narrow(0, v, m), bv, post, nullptr).to(fp);
+        at::Tensor tanh_z;
+        const auto z = logits_of(h, wv, bv, post, ahead ? &tanh_z : nullptr).to(fp);
         // The targets' logits, where they fall in this block, before
         // the exponentials overwrite them.
         const auto local = targets - v;
         const auto here = (counted & local.ge(0) & local.lt(m)).nonzero().squeeze(1);
         if (here.numel() > 0) {
-          picked.index_put_({here}, z.index({here, local.index_select(0, here)}));
+          const auto at_target = local.index_select(0, here);
+          picked.index_put_({here}, z.index({here, at_target}));
+          if (picked_tanh.defined()) {
+            picked_tanh.index_put_({here}, tanh_z.index({here, at_target}).to(fp));
+          }
         }
         const auto now = at::maximum(most, std::get<0>(z.max(1)));
-        sum = sum * (most - now).exp_() + z.sub_(now.unsqueeze(1)).exp_().sum(1);
+        const auto rescale = (most - now).exp_();
+        sum = sum * rescale + z.sub_(now.unsqueeze(1)).exp_().sum(1);
         most = now;
+        if (ahead) {
+          // `z` now holds the exponentials: the softmax's numerators,
+          // whose denominator is known only after the last block. The
+          // steps after the product are linear in the gradient, so the
+          // division can wait; each row's terms so far are rescaled as
+          // its largest logit grows, as `sum` is.
+          spread.mul_(rescale.unsqueeze(1));
+          const auto dlin = before_post(z, tanh_z.defined() ? tanh_z.to(fp) : tanh_z, post);
+          spread.addmm_(dlin, wv.to(fp));
+        }
       }
       kept = most + sum.log();
       loss = at::where(counted, kept - picked, at::zeros({}, kept.options())).sum();
+      if (ahead) {
+        // h's gradient for a seed of 1: each counted row's softmax share
+        // (`spread` over its `sum`) less its target's row of the matrix
+        // through the steps after the product, over the count with
+        // `mean`; none for a row not counted.
+        grad_h = spread.div_(sum.unsqueeze(1));
+        const auto rows_counted = counted.nonzero().squeeze(1);
+        if (rows_counted.numel() > 0) {
+          const auto ones = at::ones({rows_counted.numel()}, h.options().dtype(fp));
+          const auto t_at = picked_tanh.defined() ? picked_tanh.index_select(0, rows_counted) : picked_tanh;
+          const auto factor = before_post(ones, t_at, post);
+          const auto w_at = w.index_select(0, targets.index_select(0, rows_counted)).to(fp);
+          grad_h.index_add_(0, rows_counted, w_at.mul_(factor.unsqueeze(1)), -1);
+        }
+      }
     }
     auto count = counted.sum().to(fp);
     if (mean) {
       loss = loss / count;
+    }
+    ctx->saved_data["ahead"] = ahead;
+    if (ahead) {
+      ctx->saved_data["dtype"] = h.scalar_type();
+      const auto row_seed = mean ? counted.to(fp) / count : counted.to(fp);
+      ctx->save_for_backward({grad_h.mul_(row_seed.unsqueeze(1))});
+      return {loss};
     }
     ctx->save_for_backward({h, w, b, targets, kept, count, capped});
     ctx->saved_data["whole"] = whole;
@@ -182,6 +238,16 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
+    if (ctx->saved_data["ahead"].toBool()) {
+      // Forward computed h's gradient for a seed of 1, in fp32: scaled
+      // by the seed, rounded once to h's dtype. Nothing else needs one.
+      std::vector<at::Tensor> out(12);
+      if (ctx->needs_input_grad(0)) {
+        const auto &grad_h = saved[0];
+        out[0] = (grad_h * grads[0].to(grad_h.scalar_type())).to(ctx->saved_data["dtype"].toScalarType());
+      }
+      return out;
+    }
     const auto &h = saved[0], &w = saved[1], &b = saved[2], &targets = saved[3], &kept = saved[4],
                &count = saved[5], &capped = saved[6];
     const int64_t ignore = ctx->saved_data["ignore"].toInt();
@@ -211,6 +277,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       return {need_h ? at::mm(dlin, w) : at::Tensor(),
               need_w ? at::mm(dlin.t(), h) : at::Tensor(),
               need_b ? dlin.sum(over_rows) : at::Tensor(),
+              at::Tensor(),
               at::Tensor(),
               at::Tensor(),
               at::Tensor(),
@@ -261,7 +328,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       grad_h = grad_h.to(h.scalar_type());
     }
     return {grad_h,       grad_w,       grad_b,       at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -292,8 +359,12 @@ char *zrt_linear_cross_entropy(const at::Tensor *h, const at::Tensor *w, const a
     if (bias && (bias->dim() != 1 || bias->size(0) != w->size(0))) {
       return linear_loss_error("linear_cross_entropy takes a bias [vocab]");
     }
+    // Only h needs a gradient (a frozen head, under LoRA): forward may
+    // compute it as it goes.
+    const bool ahead = at::GradMode::is_enabled() && h->requires_grad() && !w->requires_grad() &&
+                       !(bias && bias->requires_grad());
     auto ys = LinearCrossEntropy::apply(*h, *w, bias, *targets, ignore, mean != 0, bias_after != 0, divide,
-                                        multiply, cap, block_logits);
+                                        multiply, cap, block_logits, ahead);
     *out = new at::Tensor(ys.at(0));
     return nullptr;
   } catch (const std::exception &e) {

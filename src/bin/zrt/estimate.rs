@@ -492,6 +492,7 @@ fn activations(
     let held = zrt::hf::held_for_backward(path, (rows, seq), kind, (recompute, fused_loss), lora)?;
     let keeps_logits = fused_loss && zrt::hf::fused_loss_keeps_logits(path, rows * seq)?;
     let loss = match (fused_loss, keeps_logits) {
+        (true, false) if lora.is_some() => "the head fused with the loss, no logits kept but the gradient of the frozen head's input in fp32, which forward computes; `--unfused-loss` counts the logits",
         (true, false) => "the head fused with the loss, no logits kept; `--unfused-loss` counts them",
         // Its blocks' size bounds what it keeps: the time of computing
         // them again is not worth so little memory.

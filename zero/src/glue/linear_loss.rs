@@ -31,6 +31,16 @@
 //! head's product once more (four products of the head's size where the
 //! unfused head and loss run three).
 //!
+//! When the matrix is frozen (and its bias, if any: LoRA leaves the head
+//! so) and only the hidden states need a gradient, forward computes that
+//! gradient as it goes and keeps it alone (fp32): each block's
+//! exponentials below the row's largest logit so far, through the steps
+//! after the product, times its rows of the matrix, summed and rescaled
+//! as the largest logit grows; the division by the sum and the target's
+//! term wait for the last block. Backward multiplies it by the seed it
+//! is given. Two products of the head's size, as unfused, and the
+//! exponentials once.
+//!
 //! When one block holds every column (few tokens, or a small vocabulary:
 //! [`BLOCK_LOGITS`] logits), forward runs the unfused loss's own kernels
 //! on whole rows and keeps what their backward reads, as the unfused loss
@@ -105,7 +115,8 @@ impl Default for LogitsAfter {
 /// fp32 (or `h`'s dtype when wider): the sum over the counted rows, or
 /// with `mean` their mean (NaN when no row counts, as libtorch's). Its
 /// gradients reach `h`, `w` and `b` in their dtypes; a matrix that needs
-/// none (frozen under LoRA) costs no product for it in backward.
+/// none (frozen under LoRA) costs no product for it, and with more than
+/// one block `h`'s gradient is then computed in forward (see the module).
 ///
 /// Against the unfused head and [`cross_entropy`](super::cross_entropy):
 /// the loss is the same within fp32's rounding, the matrix's gradient
@@ -313,6 +324,73 @@ mod tests {
         let (_, g1) = run(fused, &[&h]);
         assert!(off(&g1[0], &g0[0]) <= 1e-6);
         assert!(!w.grad().defined());
+    }
+
+    #[test]
+    fn a_frozen_matrix_of_many_blocks_has_h_get_its_gradient_from_forward() {
+        // 700 rows of 20000 words: two blocks, the matrix (and bias)
+        // frozen, so forward computes h's gradient. Through every step
+        // after the product, a seed other than 1 (the loss scaled) and
+        // ignored rows, against the unfused head's.
+        tch::manual_seed(5);
+        let capped = LogitsAfter {
+            divide: 1.5,
+            multiply: 2.0,
+            softcap: Some(4.0),
+            ..LogitsAfter::default()
+        };
+        let (rows, vocab, width) = (700, 20_000, 16);
+        for kind in [Kind::Float, Kind::BFloat16] {
+            for post in [LogitsAfter::default(), capped] {
+                for (mean, scale) in [(true, 1.0), (false, 1.0), (true, 0.25)] {
+                    let h = leaf(&[rows, width], 1.0, kind);
+                    let w = leaf(&[vocab, width], 0.5, kind).set_requires_grad(false);
+                    let b = leaf(&[vocab], 0.5, kind).set_requires_grad(false);
+                    let y = (Tensor::arange(rows, (Kind::Int64, Device::Cpu)) * 7919)
+                        .remainder(vocab)
+                        .index_fill(
+                            0,
+                            &Tensor::arange_start_step(0, rows, 7, (Kind::Int64, Device::Cpu)),
+                            -100,
+                        );
+                    let at = format!("{kind:?} {post:?} mean {mean} seed {scale}");
+                    let (l0, g0) = run(unfused((&h, &w, Some(&b)), &y, mean, post) * scale, &[&h]);
+                    let fused = linear_cross_entropy(&h, &w, Some(&b), &y, -100, mean, post);
+                    let (l1, g1) = run(fused.unwrap() * scale, &[&h]);
+                    assert!(
+                        (l0 - l1).abs() <= 1e-5 * l0.abs(),
+                        "{at}: {l0} against {l1}"
+                    );
+                    assert_eq!(g1[0].kind(), kind, "{at}");
+                    // Against the exact gradient (the unfused head's in
+                    // fp64 on the same inputs), about as close as the
+                    // unfused head's in `kind` (forward's sum is in fp32,
+                    // rounded once; in bf16 both start from the product's
+                    // rounded logits).
+                    let hd = h.to_kind(Kind::Double).detach().set_requires_grad(true);
+                    let (wd, bd) = (w.to_kind(Kind::Double), b.to_kind(Kind::Double));
+                    let (_, exact) = run(
+                        unfused((&hd, &wd, Some(&bd)), &y, mean, post) * scale,
+                        &[&hd],
+                    );
+                    let (ours, theirs) = (off(&g1[0], &exact[0]), off(&g0[0], &exact[0]));
+                    let floor = match kind {
+                        Kind::Float => 1e-6,
+                        _ => 1.0 / 256.0,
+                    };
+                    assert!(
+                        ours <= 1.25 * theirs.max(floor),
+                        "{at}: h's gradient off the exact by {ours}, the unfused head's by {theirs}"
+                    );
+                    assert_eq!(g1[0].get(0).abs().sum(Kind::Float).double_value(&[]), 0.0);
+                    // Without a gradient to compute, the same loss.
+                    let l2 = tch::no_grad(|| {
+                        linear_cross_entropy(&h, &w, Some(&b), &y, -100, mean, post).unwrap()
+                    });
+                    assert_eq!(l2.double_value(&[]) * scale, l1, "{at}");
+                }
+            }
+        }
     }
 
     #[test]

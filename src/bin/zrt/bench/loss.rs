@@ -51,6 +51,10 @@ pub struct LossArgs {
     /// timed once a round after a first untimed round.
     #[arg(long, default_value_t = 3, value_parser = super::at_least_one())]
     rounds: usize,
+    /// The matrix frozen, as under LoRA: only the hidden states get a
+    /// gradient (the fused loss then computes it in forward).
+    #[arg(long)]
+    frozen_head: bool,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -76,7 +80,10 @@ fn step(way: &str, h: &Tensor, w: &Tensor, y: &Tensor) -> Result<(f64, f64, u64)
             0.0,
         )?,
     };
-    let grads = Tensor::run_backward(&[&loss], &[h, w], false, false);
+    let grads = match w.requires_grad() {
+        true => Tensor::run_backward(&[&loss], &[h, w], false, false),
+        false => Tensor::run_backward(&[&loss], &[h], false, false),
+    };
     let secs = t.elapsed().as_secs_f64();
     let peak = allocated().peak.saturating_sub(before);
     drop(grads);
@@ -118,7 +125,7 @@ pub fn run(a: &LossArgs) -> Result<()> {
         .set_requires_grad(true);
     let w = (Tensor::randn([a.vocab, a.width], opts) * 0.02)
         .to_kind(kind)
-        .set_requires_grad(true);
+        .set_requires_grad(!a.frozen_head);
     let y = Tensor::randint(a.vocab, [a.tokens], (Kind::Int64, Device::Cpu));
     let mut times = vec![Vec::new(); WAYS.len()];
     let mut peaks = vec![0u64; WAYS.len()];
@@ -147,8 +154,17 @@ pub fn run(a: &LossArgs) -> Result<()> {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     if !a.json {
         println!(
-            "head and loss, {} tokens x width {} -> vocabulary {}, {}, {} threads, medians of {} rounds; peer: the logits cast to fp32 (transformers' ForCausalLMLoss)",
-            a.tokens, a.width, a.vocab, a.dtype, a.threads, a.rounds
+            "head and loss, {} tokens x width {} -> vocabulary {}, {}{}, {} threads, medians of {} rounds; peer: the logits cast to fp32 (transformers' ForCausalLMLoss)",
+            a.tokens,
+            a.width,
+            a.vocab,
+            a.dtype,
+            match a.frozen_head {
+                true => ", the matrix frozen",
+                false => "",
+            },
+            a.threads,
+            a.rounds
         );
         println!(
             "{:<6} {:>10} {:>12} {:>14} {:>16}",
@@ -162,6 +178,7 @@ pub fn run(a: &LossArgs) -> Result<()> {
             let row = json!({
                 "bench": "loss", "way": way, "tokens": a.tokens, "width": a.width,
                 "vocab": a.vocab, "dtype": a.dtype, "threads": a.threads,
+                "frozen_head": a.frozen_head,
                 "step_s": medians[i], "peak_bytes": peaks[i], "loss": losses[i],
                 "ratio_vs_peer": medians[2] / medians[i],
                 "memory_vs_peer": memory_ratio,

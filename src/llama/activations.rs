@@ -184,7 +184,7 @@ pub fn held_for_backward(
     // dtype, which the product keeps when the embeddings train.
     let scale = (full && w.norms == Norms::Offset) as u64 * b;
     let vocab = (dims(c.vocab), c.final_softcap.is_some());
-    let kept = logits_kept((rows, seq), &w, vocab, (fused_loss, live, full));
+    let kept = logits_kept((rows, seq), &w, vocab, (fused_loss, full));
     Some(held + mask + chunks + scale + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
 }
 
@@ -247,12 +247,7 @@ impl Alike {
             });
             live = out_live;
         }
-        let kept = logits_kept(
-            (rows, seq),
-            &w,
-            (self.vocab, false),
-            (fused_loss, live, full),
-        );
+        let kept = logits_kept((rows, seq), &w, (self.vocab, false), (fused_loss, full));
         Some(held + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
     }
 
@@ -362,7 +357,7 @@ fn kept_for_head(
 /// position's.
 ///
 /// With `fused_loss`, what `glue::linear_cross_entropy` keeps of every
-/// position's (the head's input `live`, its matrix trained when `full`):
+/// position's that needs a gradient (its matrix trained when `full`):
 /// when one block holds every logit (`glue::keeps_logits`) the head's
 /// input, one int64 target each, every fp32 log-probability and the soft
 /// cap's tanh, and the count and the loss; in blocks, the same with one
@@ -373,7 +368,7 @@ fn logits_kept(
     (rows, seq): (u64, u64),
     w: &Widths,
     (vocab, capped): (u64, bool),
-    (fused_loss, live, full): (bool, bool, bool),
+    (fused_loss, full): (bool, bool),
 ) -> u64 {
     let (tokens, b) = (rows * seq, w.b);
     let capped = capped as u64 * tokens * b * vocab;
@@ -381,7 +376,7 @@ fn logits_kept(
         return match (keeps_logits(tokens, vocab), full) {
             (true, _) => tokens * (b * w.h + 8 + 4 * vocab) + capped + 8,
             (false, true) => tokens * (b * w.h + 8 + 4) + 8,
-            (false, false) => live as u64 * tokens * 4 * w.h + 4,
+            (false, false) => tokens * 4 * w.h + 4,
         };
     }
     let predicted = rows * seq.saturating_sub(1);

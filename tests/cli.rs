@@ -2056,6 +2056,47 @@ fn bench_hf_trains_zrt_and_transformers_from_the_same_weights_to_the_same_losses
 }
 
 #[test]
+fn bench_hf_trains_lora_adapters_from_peft_s_draw_to_peft_s_losses() {
+    // The peer draws PEFT's adapters and writes them; zrt starts from
+    // them, so both train the same parameters (the bench refuses
+    // counts that differ) to the same losses, on PEFT's default targets
+    // for the layout and on every linear layer; the fused loss's head
+    // is frozen.
+    let f = tiny_hf_config("bench-hf-lora", "llama");
+    let run = |more: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["bench", "hf", "--config", &f, "--seq", "16", "--json"])
+            .args(["--rounds", "1", "--steps", "3", "--lora-r", "4"])
+            .args(more)
+            .output()
+            .unwrap()
+    };
+    let outs = [run(&[]), run(&["--lora-targets", "all-linear"])];
+    std::fs::remove_file(&f).unwrap();
+    let mut moved = 0.0f64;
+    for o in &outs {
+        assert!(o.status.success(), "{}", common::printed(o));
+        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        let (ours, theirs) = (&rows[0], &rows[1]);
+        assert_eq!(
+            (ours["lora_r"].as_i64(), theirs["lora_r"].as_i64()),
+            (Some(4), Some(4))
+        );
+        for key in ["first_loss", "last_loss"] {
+            let (a, b) = (ours[key].as_f64().unwrap(), theirs[key].as_f64().unwrap());
+            assert!((a - b).abs() < 1e-5, "{key}: zrt {a}, PEFT {b}");
+        }
+        moved =
+            moved.max(ours["first_loss"].as_f64().unwrap() - ours["last_loss"].as_f64().unwrap());
+    }
+    assert!(moved > 1e-6, "the adapters did not train: {moved}");
+}
+
+#[test]
 fn bench_hf_refuses_a_layout_zrt_does_not_build_before_starting_the_peer() {
     let f = tiny_hf_config("bench-hf-unknown", "no_such_model");
     // A "Python" that fails: the refusal must come before it would run.

@@ -9,12 +9,16 @@ they print show they did the same work. Protocol, one JSON object a line,
 each starting with "@@zrt " (zrt passes any other line through to its
 stderr):
   argv:    config.json, directory to write the checkpoint in, batch, seq,
-           threads
+           threads, and optionally LoRA's settings as JSON ({"r": R,
+           "alpha": A, "targets": [...] or null for PEFT's default})
   start:   builds the model from the config (seed 0, fp32), writes it with
            `save_pretrained` (and, for a config with a
-           `quantization_config`, reads it back with `from_pretrained`),
-           prints {"ready": true, "params": N,
-           "attn_implementation": <str>, "transformers": <version>}
+           `quantization_config`, reads it back with `from_pretrained`);
+           with LoRA, wraps it with PEFT's `get_peft_model` and writes
+           the adapters as drawn into `adapter/` beside the checkpoint,
+           for zrt to start from; prints {"ready": true, "params": N
+           (those that train), "attn_implementation": <str>,
+           "transformers": <version>}
   request: {"steps": K}
   reply:   {"times": [seconds of each of K steps], "losses": [...],
             "parts": [[forward, backward, optimizer seconds] of each step],
@@ -33,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 config_path, out, batch, seq, threads = sys.argv[1:6]
 batch, seq, threads = int(batch), int(seq), int(threads)
+lora = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 config = AutoConfig.from_pretrained(config_path)
@@ -57,11 +62,20 @@ model.save_pretrained(out, state_dict=shared)
 # trained is the checkpoint read back, as a user's would be.
 if getattr(config, "quantization_config", None) is not None:
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **eager)
+if lora is not None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        model,
+        LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=lora["targets"], lora_dropout=0.0),
+    )
+    model.save_pretrained(f"{out}/adapter")
 model.train()
 # The tokens zrt's side makes with the same formula: every step the same.
 vocab = config.get_text_config().vocab_size
 tokens = ((torch.arange(batch * seq) * 7919 + 13) % vocab).view(batch, seq)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+trained = [p for p in model.parameters() if p.requires_grad]
+opt = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.0, fused=True)
 # RecurrentGemma's RG-LRUs keep their last state, graph and all, for the
 # next forward, whose backward then fails ("backward through the graph a
 # second time"): forgotten before each step, which changes no number (a
@@ -93,7 +107,7 @@ def reply(obj):
 reply(
     {
         "ready": True,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": sum(p.numel() for p in trained),
         "attn_implementation": getattr(config, "_attn_implementation", None) or "eager",
         "transformers": transformers.__version__,
     }

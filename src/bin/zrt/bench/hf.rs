@@ -11,6 +11,11 @@
 //! first and last loss: equal to about 1e-4 when they did the same work.
 //! This is where a layout's own compute shows: Mamba-1's token-by-token
 //! scan, the DeltaNet's and lightning attention's chunked forms.
+//!
+//! With `--lora-r` both sides train LoRA adapters on the frozen base:
+//! the peer wraps its model with PEFT's `get_peft_model` and writes the
+//! adapters as drawn, and zrt loads them (`lora::load_adapter`), so both
+//! start from the same adapters too.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -23,7 +28,8 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 use super::peer::Peer;
 use super::{cell, matmul_peak, median, time_each};
 use zrt::collectives::local;
-use zrt::hf::HfModel;
+use zrt::hf::{HfModel, HfOptions};
+use zrt::lora::LoraConfig;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
 /// Options of `zrt bench hf`.
@@ -57,6 +63,18 @@ pub struct HfArgs {
     /// blocks, 8M logits each).
     #[arg(long)]
     unfused_loss: bool,
+    /// Train LoRA adapters of this rank on the frozen base instead of
+    /// the whole model: PEFT's on the peer's side, from the same draw.
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    lora_r: Option<i64>,
+    /// The adapters' alpha.
+    #[arg(long, default_value_t = 16.0, requires = "lora_r")]
+    lora_alpha: f64,
+    /// The modules the adapters go on, comma-separated (PEFT's
+    /// `target_modules`; `all-linear` too); PEFT's default for the
+    /// layout when not given.
+    #[arg(long, requires = "lora_r")]
+    lora_targets: Option<String>,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -104,20 +122,41 @@ pub fn run(args: &HfArgs) -> Result<()> {
     )?;
     let scratch =
         Scratch(std::env::temp_dir().join(format!("zrt-bench-hf-{}", std::process::id())));
+    let mut peer_args = vec![
+        file.display().to_string(),
+        scratch.0.display().to_string(),
+        args.batch.to_string(),
+        args.seq.to_string(),
+        args.threads.to_string(),
+    ];
+    if let Some(r) = args.lora_r {
+        let targets = (args.lora_targets.as_deref())
+            .map(|t| match t {
+                "all-linear" => json!(t),
+                _ => json!(t.split(',').map(str::trim).collect::<Vec<_>>()),
+            })
+            .unwrap_or(Value::Null);
+        let lora = json!({"r": r, "alpha": args.lora_alpha, "targets": targets});
+        peer_args.push(lora.to_string());
+    }
     let mut peer = Peer::start(
         include_str!("../../../../bench/peers/hf_peer.py"),
-        &[
-            file.display().to_string(),
-            scratch.0.display().to_string(),
-            args.batch.to_string(),
-            args.seq.to_string(),
-            args.threads.to_string(),
-        ],
+        &peer_args,
     )?;
     tch::set_num_threads(args.threads);
     let vs = VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
-    let (model, _) = HfModel::from_pretrained(&vs, &plan, &scratch.0)?;
+    // With LoRA, the adapters as PEFT drew them, and its settings as it
+    // resolved them (its default targets for the layout among them).
+    let adapter = scratch.0.join("adapter");
+    let options = HfOptions {
+        lora: match args.lora_r {
+            Some(_) => Some(LoraConfig::from_adapter_dir(&adapter)?),
+            None => None,
+        },
+        ..HfOptions::default()
+    };
+    let (model, _) = HfModel::from_pretrained_with(&vs, &plan, &scratch.0, &options)?;
     let cfg = Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.0}}}}, "zero_optimization": {{"stage": 0}}}}"#,
         args.batch
@@ -127,10 +166,13 @@ pub fn run(args: &HfArgs) -> Result<()> {
         .context("a world of one rank")?
         .new_group(&[0])?;
     let engine = Engine::new(&vs, &plan, &cfg, group, &AutoHints::default())?;
+    if options.lora.is_some() {
+        zrt::lora::load_adapter(&engine, &adapter)?;
+    }
     let theirs = peer.hello["params"].as_u64().unwrap_or(0);
     if engine.num_params() as u64 != theirs {
         bail!(
-            "zrt built {} parameters and transformers {theirs} from {}: not the same model, so the timings would not compare",
+            "zrt trains {} parameters and transformers {theirs} from {}: not the same model, so the timings would not compare",
             engine.num_params(),
             file.display()
         );
@@ -225,10 +267,25 @@ pub fn run(args: &HfArgs) -> Result<()> {
             peer_peak,
         ),
     ];
+    // A step's products: forward 2 a parameter a token, backward 2 for
+    // the inputs' gradients and 2 for the weights'; under LoRA the base's
+    // weights take none (the adapters' are left out, as small).
+    let flops = match args.lora_r {
+        Some(_) => 4.0,
+        None => 6.0,
+    };
+    let trains = match args.lora_r {
+        Some(r) => format!(
+            ", LoRA r {r} on {} ({} adapter params; PEFT's on the peer's side)",
+            (options.lora.as_ref()).map_or(String::new(), |l| l.target_modules.join(",")),
+            engine.num_params()
+        ),
+        None => String::new(),
+    };
     if !args.json {
         println!(
-            "{model_type} ({:.2}M params), batch {} x seq {}, {} thread(s), {} rounds x {} steps, medians, zrt's head {} the loss; \
-             MFU counts 6 x params x tokens (attention left out; none with experts) against a {:.1} GFLOP/s matmul; \
+            "{model_type} ({:.2}M params{trains}), batch {} x seq {}, {} thread(s), {} rounds x {} steps, medians, zrt's head {} the loss; \
+             MFU counts {flops} x params x tokens (attention left out; none with experts) against a {:.1} GFLOP/s matmul; \
              transformers {} with attention {}",
             params as f64 / 1e6,
             args.batch,
@@ -259,7 +316,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
     for (name, secs, losses, [fwd, bwd, opt], peak_rss) in rows {
         let mfu = match experts {
             true => f64::NAN,
-            false => 6.0 * params as f64 * tokens_per_step / secs / peak,
+            false => flops * params as f64 * tokens_per_step / secs / peak,
         };
         let (first, last) = (
             losses.first().copied().unwrap_or(f64::NAN),
@@ -279,6 +336,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
                     "ratio_vs_limit": if mfu.is_finite() { json!(mfu) } else { Value::Null },
                     // The peer's loss takes the logits whole.
                     "fused_loss": name == "zrt" && !args.unfused_loss,
+                    "lora_r": args.lora_r,
                 })
             );
         } else {

@@ -1983,6 +1983,25 @@ fn tiny_hf_config(name: &str, model_type: &str) -> String {
     )
 }
 
+/// `zrt bench hf --config CONFIG` of one round of three steps at 16
+/// tokens, JSON rows, with `more` arguments.
+fn bench_hf(config: &str, more: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "hf", "--config", config, "--seq", "16", "--json"])
+        .args(["--rounds", "1", "--steps", "3"])
+        .args(more)
+        .output()
+        .unwrap()
+}
+
+/// The JSON rows a `--json` bench printed.
+fn json_rows(o: &std::process::Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 #[test]
 fn bench_hf_trains_zrt_and_transformers_from_the_same_weights_to_the_same_losses() {
     // The peer writes the checkpoint zrt loads; both take three AdamW
@@ -1990,30 +2009,16 @@ fn bench_hf_trains_zrt_and_transformers_from_the_same_weights_to_the_same_losses
     // last; zrt's head fused with its loss, and with `--unfused-loss`
     // not.
     let f = tiny_hf_config("bench-hf", "llama");
-    let run = |more: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_zrt"))
-            .args(["bench", "hf", "--config", &f, "--seq", "16", "--json"])
-            .args(["--rounds", "1", "--steps", "3"])
-            .args(more)
-            .output()
-            .unwrap()
-    };
-    let (o, apart) = (run(&[]), run(&["--unfused-loss"]));
+    let (o, apart) = (bench_hf(&f, &[]), bench_hf(&f, &["--unfused-loss"]));
     std::fs::remove_file(&f).unwrap();
     for (o, fused) in [(&apart, false), (&o, true)] {
         assert!(o.status.success(), "{}", common::printed(o));
-        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let rows = json_rows(o);
         let fusing: Vec<_> = rows.iter().map(|r| r["fused_loss"].as_bool()).collect();
         assert_eq!(fusing, [Some(fused), Some(false)], "{rows:?}");
     }
     assert!(o.status.success(), "{}", common::printed(&o));
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = json_rows(&o);
     assert_eq!(rows.len(), 2, "{rows:?}");
     let (ours, theirs) = (&rows[0], &rows[1]);
     assert_eq!(
@@ -2063,23 +2068,14 @@ fn bench_hf_trains_lora_adapters_from_peft_s_draw_to_peft_s_losses() {
     // for the layout and on every linear layer; the fused loss's head
     // is frozen.
     let f = tiny_hf_config("bench-hf-lora", "llama");
-    let run = |more: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_zrt"))
-            .args(["bench", "hf", "--config", &f, "--seq", "16", "--json"])
-            .args(["--rounds", "1", "--steps", "3", "--lora-r", "4"])
-            .args(more)
-            .output()
-            .unwrap()
-    };
-    let outs = [run(&[]), run(&["--lora-targets", "all-linear"])];
+    let lora = ["--lora-r", "4"];
+    let all = [&lora[..], &["--lora-targets", "all-linear"]].concat();
+    let outs = [bench_hf(&f, &lora), bench_hf(&f, &all)];
     std::fs::remove_file(&f).unwrap();
     let mut moved = 0.0f64;
     for o in &outs {
         assert!(o.status.success(), "{}", common::printed(o));
-        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let rows = json_rows(o);
         assert_eq!(rows.len(), 2, "{rows:?}");
         let (ours, theirs) = (&rows[0], &rows[1]);
         assert_eq!(

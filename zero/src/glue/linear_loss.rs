@@ -247,32 +247,39 @@ mod tests {
         (a - &b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-30)
     }
 
+    /// Every step after the product but the bias: a division, a
+    /// multiplication, a soft cap.
+    const CAPPED: LogitsAfter = LogitsAfter {
+        bias_after: false,
+        divide: 1.5,
+        multiply: 2.0,
+        softcap: Some(4.0),
+    };
+
+    /// `rows` targets spread over the `vocab`, every seventh row's
+    /// ignored (-100) from the first.
+    fn targets(rows: i64, vocab: i64) -> Tensor {
+        let every_seventh = Tensor::arange_start_step(0, rows, 7, (Kind::Int64, Device::Cpu));
+        (Tensor::arange(rows, (Kind::Int64, Device::Cpu)) * 7919)
+            .remainder(vocab)
+            .index_fill(0, &every_seventh, -100)
+    }
+
     #[test]
     fn its_loss_and_gradients_are_the_unfused_heads() {
         tch::manual_seed(3);
-        let capped = LogitsAfter {
-            divide: 1.5,
-            multiply: 2.0,
-            softcap: Some(4.0),
-            ..LogitsAfter::default()
-        };
         // 5 rows of 11 words: one block. 700 rows of a 20000-word
         // vocabulary: two blocks of 11983 columns.
         for (rows, vocab, width) in [(5, 11, 4), (700, 20_000, 16)] {
             for kind in [Kind::Float, Kind::BFloat16] {
                 for (bias, bias_after) in [(false, false), (true, false), (true, true)] {
-                    for post in [LogitsAfter::default(), capped] {
+                    for post in [LogitsAfter::default(), CAPPED] {
                         for mean in [true, false] {
                             let after = LogitsAfter { bias_after, ..post };
                             let h = leaf(&[rows, width], 1.0, kind);
                             let w = leaf(&[vocab, width], 0.5, kind);
                             let b = bias.then(|| leaf(&[vocab], 0.5, kind));
-                            let y = Tensor::arange(rows, (Kind::Int64, Device::Cpu)) * 7919;
-                            let y = y.remainder(vocab).index_fill(
-                                0,
-                                &Tensor::arange_start_step(0, rows, 7, (Kind::Int64, Device::Cpu)),
-                                -100,
-                            );
+                            let y = targets(rows, vocab);
                             let mut xs = vec![&h, &w];
                             xs.extend(b.as_ref());
                             let at = format!(
@@ -333,26 +340,14 @@ mod tests {
         // after the product, a seed other than 1 (the loss scaled) and
         // ignored rows, against the unfused head's.
         tch::manual_seed(5);
-        let capped = LogitsAfter {
-            divide: 1.5,
-            multiply: 2.0,
-            softcap: Some(4.0),
-            ..LogitsAfter::default()
-        };
         let (rows, vocab, width) = (700, 20_000, 16);
         for kind in [Kind::Float, Kind::BFloat16] {
-            for post in [LogitsAfter::default(), capped] {
+            for post in [LogitsAfter::default(), CAPPED] {
                 for (mean, scale) in [(true, 1.0), (false, 1.0), (true, 0.25)] {
                     let h = leaf(&[rows, width], 1.0, kind);
                     let w = leaf(&[vocab, width], 0.5, kind).set_requires_grad(false);
                     let b = leaf(&[vocab], 0.5, kind).set_requires_grad(false);
-                    let y = (Tensor::arange(rows, (Kind::Int64, Device::Cpu)) * 7919)
-                        .remainder(vocab)
-                        .index_fill(
-                            0,
-                            &Tensor::arange_start_step(0, rows, 7, (Kind::Int64, Device::Cpu)),
-                            -100,
-                        );
+                    let y = targets(rows, vocab);
                     let at = format!("{kind:?} {post:?} mean {mean} seed {scale}");
                     let (l0, g0) = run(unfused((&h, &w, Some(&b)), &y, mean, post) * scale, &[&h]);
                     let fused = linear_cross_entropy(&h, &w, Some(&b), &y, -100, mean, post);

@@ -119,7 +119,8 @@ struct Args {
     /// does, instead of the head fused with the loss (the default, where
     /// the model allows it: `HfModel::set_fused_loss`), which holds no
     /// `[tokens, vocabulary]` logits and runs the head's product once
-    /// more (where they take more than one of its blocks, 8M logits).
+    /// more (where they take more than one of its blocks, 8M logits, and
+    /// the head trains: under LoRA it runs none more).
     #[arg(long)]
     unfused_loss: bool,
     /// Where checkpoints go (`save_checkpoint`, tag `stepN`); a run given

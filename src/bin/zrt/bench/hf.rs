@@ -60,7 +60,7 @@ pub struct HfArgs {
     /// --unfused-loss`), as the peer's does, rather than fusing the head
     /// with the loss (the default, which computes the head's product
     /// once more in backward where the logits take more than one of its
-    /// blocks, 8M logits each).
+    /// blocks, 8M logits each, and the head trains: not under LoRA).
     #[arg(long)]
     unfused_loss: bool,
     /// Train LoRA adapters of this rank on the frozen base instead of

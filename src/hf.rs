@@ -641,8 +641,8 @@ impl HfModel {
     /// runs a block of vocabulary columns at a time, in forward and again
     /// in backward), at the cost of the head's product once more (none
     /// with the head frozen, as under LoRA: forward computes the hidden
-    /// states' gradient as it goes); the
-    /// loss is the same within fp32's rounding. Logits that one block
+    /// states' gradient as it goes); the loss is the same within fp32's
+    /// rounding. Logits that one block
     /// holds ([`crate::zero::glue::keeps_logits`]) are kept as fp32
     /// log-probabilities instead, and not computed again. It applies to GPT-2,
     /// GPT-NeoX, Phi and the Llama-family layouts whose head is a plain

@@ -51,6 +51,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -111,6 +112,17 @@ at::Tensor before_post(at::Tensor dz, const at::Tensor &capped, const Post &post
     dz = dz / post.divide;
   }
   return dz;
+}
+
+// Backward's outputs: a gradient (or none) for each of forward's 12
+// arguments, of which only the hidden states, the matrix and the bias
+// can take one.
+torch::autograd::variable_list gradients(at::Tensor h, at::Tensor w, at::Tensor b) {
+  torch::autograd::variable_list out(12);
+  out[0] = std::move(h);
+  out[1] = std::move(w);
+  out[2] = std::move(b);
+  return out;
 }
 
 struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
@@ -241,12 +253,12 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     if (ctx->saved_data["ahead"].toBool()) {
       // Forward computed h's gradient for a seed of 1, in fp32: scaled
       // by the seed, rounded once to h's dtype. Nothing else needs one.
-      std::vector<at::Tensor> out(12);
-      if (ctx->needs_input_grad(0)) {
-        const auto &grad_h = saved[0];
-        out[0] = (grad_h * grads[0].to(grad_h.scalar_type())).to(ctx->saved_data["dtype"].toScalarType());
+      if (!ctx->needs_input_grad(0)) {
+        return gradients({}, {}, {});
       }
-      return out;
+      const auto &grad_h = saved[0];
+      return gradients((grad_h * grads[0].to(grad_h.scalar_type())).to(ctx->saved_data["dtype"].toScalarType()),
+                       {}, {});
     }
     const auto &h = saved[0], &w = saved[1], &b = saved[2], &targets = saved[3], &kept = saved[4],
                &count = saved[5], &capped = saved[6];
@@ -274,18 +286,8 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
         return at::_log_softmax_backward_data(dlogp, kept, 1, fp).to(h.scalar_type());
       }();
       const auto dlin = before_post(dz, capped, post);
-      return {need_h ? at::mm(dlin, w) : at::Tensor(),
-              need_w ? at::mm(dlin.t(), h) : at::Tensor(),
-              need_b ? dlin.sum(over_rows) : at::Tensor(),
-              at::Tensor(),
-              at::Tensor(),
-              at::Tensor(),
-              at::Tensor(),
-              at::Tensor(),
-              at::Tensor(),
-              at::Tensor(),
-              at::Tensor(),
-              at::Tensor()};
+      return gradients(need_h ? at::mm(dlin, w) : at::Tensor(), need_w ? at::mm(dlin.t(), h) : at::Tensor(),
+                       need_b ? dlin.sum(over_rows) : at::Tensor());
     }
     // Each row's share of the seed: none for a row not counted.
     const auto counted = targets.ne(ignore);
@@ -327,8 +329,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     if (need_h) {
       grad_h = grad_h.to(h.scalar_type());
     }
-    return {grad_h,       grad_w,       grad_b,       at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return gradients(grad_h, grad_w, grad_b);
   }
 };
 

@@ -187,7 +187,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// renormalised and not; and Falcon's layers: 7B's one key and value
 /// (a view of the fused projection) beside the MLP after one LayerNorm,
 /// 40B's groups after two, one group after one, and one after the other
-/// with biases.
+/// with biases; and OPT's LayerNorms, learned positions and ReLU, its
+/// dropout off and at its 0.1.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -391,6 +392,14 @@ const COUNTED: &[(&str, &str)] = &[
     ("seed_oss", ""),
     ("phi3", r#", "resid_pdrop": 0.1, "pad_token_id": 96"#),
     ("stablelm", r#", "hidden_dropout": 0.1, "pad_token_id": 96"#),
+    (
+        "opt",
+        r#", "num_key_value_heads": 4, "ffn_dim": 176, "dropout": 0.0, "pad_token_id": 96"#,
+    ),
+    (
+        "opt",
+        r#", "num_key_value_heads": 4, "ffn_dim": 176, "pad_token_id": 96"#,
+    ),
 ];
 
 #[test]
@@ -579,6 +588,12 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     let hunyuan_moe_cases: Vec<_> = (moe_shared_cases.iter().cloned())
         .chain([lora(&["wg"])])
         .collect();
+    // OPT's fairseq names: `out_proj`, and `fc1` and `fc2` for the MLP.
+    let opt_cases = renamed(&[
+        (&["gate_proj", "up_proj"], "fc1"),
+        (&["down_proj"], "fc2"),
+        (&["o_proj"], "out_proj"),
+    ]);
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -646,6 +661,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "hunyuan_v1_moe" => &hunyuan_moe_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
+            "opt" => &opt_cases[..],
             "deepseek_v3" | "deepseek_v2" if extra.contains(r#""q_lora_rank": null"#) => {
                 &one_q_cases[..]
             }
@@ -1012,10 +1028,17 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     // mask of each head's scores); DeepSeek-V3's values wider than its
     // queries and keys take the attention that keeps every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
+    // OPT-350m's norms after each residual sum and its projected
+    // embeddings, and an OPT without its final norm.
+    let opt = r#", "num_key_value_heads": 4, "ffn_dim": 176"#;
+    let opt_350m = format!(r#"{opt}, "do_layer_norm_before": false, "word_embed_proj_dim": 32"#);
+    let opt_bare = format!(r#"{opt}, "_remove_final_layer_norm": true"#);
     for (t, extra) in [
         ("falcon", r#", "alibi": true"#),
         ("jamba", ""),
         ("deepseek_v3", wide_values),
+        ("opt", &opt_350m),
+        ("opt", &opt_bare),
     ] {
         assert_eq!(
             held_for_backward(&c(t, extra), rows_seq, Kind::Float, (false, true), None),
@@ -1049,6 +1072,16 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         assert_eq!(est(&other), None, "{other:?}");
         assert_eq!(adapter_params(&llama, &other), None, "{other:?}");
     }
+    // An OPT's embedding under its own name (`model.decoder.`).
+    let embedding = zrt::lora::LoraConfig::new(8, 16.0, &["q_proj", "embed_tokens"]);
+    let opt = c("opt", opt);
+    assert!(adapter_params(&opt, &lora).is_some());
+    assert_eq!(adapter_params(&opt, &embedding), None);
+    let embedding = zrt::lora::LoraConfig {
+        target_pattern: Some(r"model\.decoder\.embed_tokens".into()),
+        ..lora.clone()
+    };
+    assert_eq!(adapter_params(&opt, &embedding), None);
     // A mixture's router jitter and balancing loss (beside a shared
     // expert too).
     for (t, extra) in [

@@ -10,7 +10,7 @@
 //! Gemma 2's soft-capped attention and GPT-OSS's beside its sinks;
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
 //! and queries grown with their position; Apertus's xIELU; LFM2's short
-//! convolutions), the whole model training or LoRA's adapters on a
+//! convolutions; OPT's learned positions and ReLU), the whole model training or LoRA's adapters on a
 //! frozen base; and those adapters' parameters. GPT-2's, GPT-NeoX's and
 //! Phi's layers are counted in the same terms ([`gpt2`], [`gpt_neox`],
 //! [`phi`]). The models' own dropouts are counted (each keeps its mask;
@@ -109,6 +109,7 @@ pub fn held_for_backward(
             || (c.family == Family::Falcon && c.kv_heads == 1),
         gated: gated(c),
         xielu: c.activation == Activation::Xielu,
+        relu: c.activation == Activation::Relu,
         rows,
         fp32_rope: c.family.olmo()
             || matches!(
@@ -142,6 +143,9 @@ pub fn held_for_backward(
     // its dropout keeps its mask then.
     let mut live = full;
     let mut held = (full && c.embedding_dropout > 0.0) as u64 * tokens * b * w.h;
+    // Learned positions (OPT's): the lookup keeps them, int64, where
+    // they train.
+    held += (full && c.family.learned_positions()) as u64 * 8 * seq;
     let mut mask = 0;
     let mut chunks = 0;
     for layer in 0..c.layers.max(0) {
@@ -151,9 +155,9 @@ pub fn held_for_backward(
         };
         let trains = full || ranks.any();
         let mixture = experts.as_ref().filter(|_| c.moe_layer(layer));
-        // SmolLM3's and Llama 4's layers without rotary embeddings keep
-        // no cos and sin.
-        let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(layer as usize) == Some(&true));
+        // Layers without rotary embeddings (SmolLM3's and Llama 4's
+        // some, OPT's all) keep no cos and sin.
+        let turns = c.turns(layer);
         // LFM2's convolution layers in place of attention.
         let conv = (c.short_conv_layer(layer)).map(|s| dims(s.kernel));
         let (per_token, per_position, per_forward, out_live) =
@@ -438,7 +442,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW), OPT (not OPT-350m) and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -470,6 +474,7 @@ fn gated(c: &LlamaConfig) -> bool {
             | Family::Persimmon
             | Family::Apertus
             | Family::Falcon
+            | Family::Opt
     )
 }
 
@@ -478,7 +483,9 @@ fn gated(c: &LlamaConfig) -> bool {
 /// plain one with no adapter on it. `None` where they do not count;
 /// else the mixture, if the model has one.
 fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Experts>> {
-    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l, ("lm_head", "model.embed_tokens"))) {
+    let [model, embedding, ..] = c.family.names();
+    let ends = (c.family.head_name(), &*format!("{model}.{embedding}"));
+    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l, ends)) {
         return None;
     }
     let Some(m) = &c.moe else {
@@ -528,6 +535,10 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Ernie4_5Moe
         | Family::Dbrx
         | Family::GptOss => !c.qk_norm,
+        // OPT's norms before each sublayer and a final norm (every OPT
+        // but 350m, whose norms follow the residual sums and whose
+        // embeddings are projected).
+        Family::Opt => c.opt.is_some_and(|o| o.norm_before && o.final_norm) && !c.projected(),
         // Falcon's layers but Falcon-RW's ALiBi.
         Family::Falcon => c.falcon.as_ref().is_some_and(|f| !f.alibi),
         Family::Qwen3
@@ -871,11 +882,15 @@ impl Ranks {
     /// The ranks of `l`'s adapters on layer `layer` of `c`: none on a
     /// module the layer lacks (Arcee's gate).
     fn of(l: &LoraConfig, layer: i64, c: &LlamaConfig) -> Self {
-        let rank = |module: &str| rank_at(l, &format!("model.layers.{layer}.{module}"));
+        // Each layer under its checkpoint name (OPT's
+        // `model.decoder.layers.0`, Falcon's `transformer.h.0`).
+        let [model, _, blocks, _] = c.family.names();
+        let rank = |module: &str| rank_at(l, &format!("{model}.{blocks}.{layer}.{module}"));
         // StarCoder2's MLP under GPT-2's names, Persimmon's layer under
         // GPT-NeoX's, Llama 4's MLP under `feed_forward`, LFM2's too
-        // under Llama's original names.
+        // under Llama's original names, OPT's under fairseq's.
         let (qkv, o, gate, up, down) = match c.family {
+            Family::Opt => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
             Family::Starcoder2 => ("qkv_proj", "o_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Persimmon => (
                 "query_key_value",
@@ -1010,7 +1025,8 @@ impl Norms {
             | Family::StableLm
             | Family::Persimmon
             | Family::Dbrx
-            | Family::Falcon => Self::Layer,
+            | Family::Falcon
+            | Family::Opt => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,
@@ -1114,6 +1130,9 @@ struct Widths {
     resid_dropout: (bool, bool),
     /// Apertus's xIELU in place of the ungated MLP's activation.
     xielu: bool,
+    /// OPT's plain ReLU as the ungated MLP's activation, which keeps its
+    /// output (the down projection's input).
+    relu: bool,
     /// The rows of the forward.
     rows: u64,
 }
@@ -1190,6 +1209,7 @@ impl Widths {
             attention_dropout: None,
             resid_dropout: (false, false),
             xielu: false,
+            relu: false,
             rows: 1,
         }
     }
@@ -1624,9 +1644,13 @@ impl Widths {
                     // reads (the same tensor); StarCoder2's GELU its
                     // input; Apertus's xIELU its input too, computed
                     // again in backward (`xielu`), and its two factors
-                    // cast to the compute dtype, once a forward.
+                    // cast to the compute dtype, once a forward. OPT's
+                    // plain ReLU keeps its output, the down projection's
+                    // input: counted there, or here where only the ReLU
+                    // keeps it.
                     false => {
-                        per_token += b * i * up_live as u64;
+                        let down_keeps = self.shares(full, &[r.down]);
+                        per_token += b * i * (up_live && !(self.relu && down_keeps)) as u64;
                         per_forward += (self.xielu && up_live) as u64 * 2 * b;
                         up_live
                     }

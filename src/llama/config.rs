@@ -1315,6 +1315,17 @@ impl LlamaConfig {
         self.family != Family::OpenAiGpt && self.opt.is_none_or(|o| o.final_norm)
     }
 
+    /// Whether layer `l` turns its queries and keys by their positions:
+    /// not where positions are embedded (learned or sinusoidal) or
+    /// ALiBi's biases stand for them, nor in SmolLM3's and Llama 4's
+    /// layers without rotary embeddings (`rope_layers`).
+    pub(crate) fn turns(&self, l: i64) -> bool {
+        !self.family.learned_positions()
+            && !self.family.sinusoidal_positions()
+            && !self.alibi()
+            && (self.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true))
+    }
+
     /// Whether the heads take ALiBi's biases in place of positions:
     /// MPT's and BLOOM's, and Falcon-RW's (`alibi`).
     pub fn alibi(&self) -> bool {

@@ -1061,10 +1061,7 @@ impl Layer {
             true => (c.heads * hd, c.kv_heads * hd),
             false => (hd, hd),
         };
-        let turns = !c.family.learned_positions()
-            && !c.family.sinusoidal_positions()
-            && !c.alibi()
-            && (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
+        let turns = c.turns(l);
         let rotary = turns.then(|| {
             let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
             match c.family {

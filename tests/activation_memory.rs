@@ -400,6 +400,14 @@ const COUNTED: &[(&str, &str)] = &[
         "opt",
         r#", "num_key_value_heads": 4, "ffn_dim": 176, "pad_token_id": 96"#,
     ),
+    (
+        "gpt_bigcode",
+        r#", "n_embd": 64, "n_head": 4, "n_layer": 3, "n_positions": 128, "n_inner": 176, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0"#,
+    ),
+    (
+        "gpt_bigcode",
+        r#", "n_embd": 64, "n_head": 4, "n_layer": 3, "n_positions": 128, "n_inner": 176, "multi_query": false, "scale_attn_weights": false"#,
+    ),
 ];
 
 #[test]
@@ -594,6 +602,19 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["down_proj"], "fc2"),
         (&["o_proj"], "out_proj"),
     ]);
+    // GPT-BigCode's GPT-2 names, the attention's output projection
+    // alone by a pattern of its path (`c_proj` names the MLP's too).
+    let bigcode_cases: Vec<_> = (renamed(&[
+        (&["q_proj", "k_proj", "v_proj"], "c_attn"),
+        (&["gate_proj", "up_proj"], "c_fc"),
+        (&["o_proj", "down_proj"], "c_proj"),
+    ]))
+    .into_iter()
+    .chain([zrt::lora::LoraConfig {
+        target_pattern: Some(r".*\.attn\.c_proj".into()),
+        ..lora(&["c_fc"])
+    }])
+    .collect();
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -662,6 +683,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
             "opt" => &opt_cases[..],
+            "gpt_bigcode" => &bigcode_cases[..],
             "deepseek_v3" | "deepseek_v2" if extra.contains(r#""q_lora_rank": null"#) => {
                 &one_q_cases[..]
             }

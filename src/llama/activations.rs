@@ -10,7 +10,7 @@
 //! Gemma 2's soft-capped attention and GPT-OSS's beside its sinks;
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
 //! and queries grown with their position; Apertus's xIELU; LFM2's short
-//! convolutions; OPT's learned positions and ReLU), the whole model training or LoRA's adapters on a
+//! convolutions; OPT's and GPT-BigCode's learned positions, OPT's ReLU), the whole model training or LoRA's adapters on a
 //! frozen base; and those adapters' parameters. GPT-2's, GPT-NeoX's and
 //! Phi's layers are counted in the same terms ([`gpt2`], [`gpt_neox`],
 //! [`phi`]). The models' own dropouts are counted (each keeps its mask;
@@ -105,6 +105,9 @@ pub fn held_for_backward(
         // each clamp makes a tensor of its own, and keeps the fused
         // output as its input (`clipped`).
         // Falcon's one key and value (7B's, 180B's) are views too.
+        // GPT-BigCode's one key head's queries, keys and values are
+        // views as well, but none turns: the fused output is kept once,
+        // as the three tensors it holds.
         views: (matches!(c.family, Family::Phi3 | Family::Dbrx) && c.clip_qkv.is_none())
             || (c.family == Family::Falcon && c.kv_heads == 1),
         gated: gated(c),
@@ -442,7 +445,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW), OPT (not OPT-350m) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW), OPT (not OPT-350m), GPT-BigCode and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -455,7 +458,7 @@ fn dims(x: i64) -> u64 {
 fn fused(c: &LlamaConfig) -> (bool, bool) {
     match c.family {
         Family::Phi3 => (true, true),
-        Family::Persimmon | Family::Dbrx | Family::Falcon => (true, false),
+        Family::Persimmon | Family::Dbrx | Family::Falcon | Family::GptBigCode => (true, false),
         f if f.glm() => (false, true),
         _ => (false, false),
     }
@@ -475,6 +478,7 @@ fn gated(c: &LlamaConfig) -> bool {
             | Family::Apertus
             | Family::Falcon
             | Family::Opt
+            | Family::GptBigCode
     )
 }
 
@@ -539,6 +543,9 @@ fn counted(c: &LlamaConfig) -> bool {
         // but 350m, whose norms follow the residual sums and whose
         // embeddings are projected).
         Family::Opt => c.opt.is_some_and(|o| o.norm_before && o.final_norm) && !c.projected(),
+        // GPT-BigCode's (SantaCoder's, StarCoder's): learned positions,
+        // one fused projection, one key head or one a head.
+        Family::GptBigCode => true,
         // Falcon's layers but Falcon-RW's ALiBi.
         Family::Falcon => c.falcon.as_ref().is_some_and(|f| !f.alibi),
         Family::Qwen3
@@ -891,6 +898,7 @@ impl Ranks {
         // under Llama's original names, OPT's under fairseq's.
         let (qkv, o, gate, up, down) = match c.family {
             Family::Opt => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
+            Family::GptBigCode => ("c_attn", "c_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Starcoder2 => ("qkv_proj", "o_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Persimmon => (
                 "query_key_value",
@@ -934,6 +942,7 @@ impl Ranks {
         let attn = match c.family {
             Family::Dbrx => "norm_attn_norm.attn",
             Family::Falcon => "self_attention",
+            Family::GptBigCode => "attn",
             _ => "self_attn",
         };
         let (fused_qkv, fused_gate_up) = fused(c);
@@ -1026,7 +1035,8 @@ impl Norms {
             | Family::Persimmon
             | Family::Dbrx
             | Family::Falcon
-            | Family::Opt => Self::Layer,
+            | Family::Opt
+            | Family::GptBigCode => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,

@@ -188,7 +188,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// (a view of the fused projection) beside the MLP after one LayerNorm,
 /// 40B's groups after two, one group after one, and one after the other
 /// with biases; and OPT's LayerNorms, learned positions and ReLU, its
-/// dropout off and at its 0.1.
+/// dropout off and at its 0.1; GPT-BigCode's one key head and one a
+/// head (unscaled), its dropouts off and at their 0.1; GPT-J's
+/// attention and MLP side by side, part of each head turned in fp32,
+/// its dropouts off and on, and CodeGen's fused projection in blocks.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -408,6 +411,18 @@ const COUNTED: &[(&str, &str)] = &[
         "gpt_bigcode",
         r#", "n_embd": 64, "n_head": 4, "n_layer": 3, "n_positions": 128, "n_inner": 176, "multi_query": false, "scale_attn_weights": false"#,
     ),
+    (
+        "gptj",
+        r#", "n_embd": 64, "n_head": 4, "n_layer": 3, "n_positions": 128, "n_inner": 176, "rotary_dim": 8"#,
+    ),
+    (
+        "gptj",
+        r#", "n_embd": 64, "n_head": 4, "n_layer": 3, "n_positions": 128, "n_inner": 176, "rotary_dim": 16, "embd_pdrop": 0.1, "resid_pdrop": 0.1, "attn_pdrop": 0.1"#,
+    ),
+    (
+        "codegen",
+        r#", "n_embd": 64, "n_head": 8, "n_layer": 3, "n_positions": 128, "n_inner": 176, "rotary_dim": 4"#,
+    ),
 ];
 
 #[test]
@@ -615,6 +630,26 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         ..lora(&["c_fc"])
     }])
     .collect();
+    // GPT-J's `out_proj`, `fc_in` and `fc_out`; CodeGen's queries, keys
+    // and values one `qkv_proj`.
+    // And its keys alone by a pattern of their path.
+    let gptj_cases: Vec<_> = (renamed(&[
+        (&["gate_proj", "up_proj"], "fc_in"),
+        (&["down_proj"], "fc_out"),
+        (&["o_proj"], "out_proj"),
+    ]))
+    .into_iter()
+    .chain([zrt::lora::LoraConfig {
+        target_pattern: Some(r"transformer\.h\.\d+\.attn\.k_proj".into()),
+        ..lora(&["fc_out"])
+    }])
+    .collect();
+    let codegen_cases = renamed(&[
+        (&["q_proj", "k_proj", "v_proj"], "qkv_proj"),
+        (&["gate_proj", "up_proj"], "fc_in"),
+        (&["down_proj"], "fc_out"),
+        (&["o_proj"], "out_proj"),
+    ]);
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -684,6 +719,8 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "starcoder2" => &starcoder2_cases[..],
             "opt" => &opt_cases[..],
             "gpt_bigcode" => &bigcode_cases[..],
+            "gptj" => &gptj_cases[..],
+            "codegen" => &codegen_cases[..],
             "deepseek_v3" | "deepseek_v2" if extra.contains(r#""q_lora_rank": null"#) => {
                 &one_q_cases[..]
             }

@@ -10,7 +10,8 @@
 //! Gemma 2's soft-capped attention and GPT-OSS's beside its sinks;
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
 //! and queries grown with their position; Apertus's xIELU; LFM2's short
-//! convolutions; OPT's and GPT-BigCode's learned positions, OPT's ReLU), the whole model training or LoRA's adapters on a
+//! convolutions; OPT's and GPT-BigCode's learned positions, OPT's ReLU;
+//! GPT-J's fp32 turn of part of each head), the whole model training or LoRA's adapters on a
 //! frozen base; and those adapters' parameters. GPT-2's, GPT-NeoX's and
 //! Phi's layers are counted in the same terms ([`gpt2`], [`gpt_neox`],
 //! [`phi`]). The models' own dropouts are counted (each keeps its mask;
@@ -123,7 +124,8 @@ pub fn held_for_backward(
                     | Family::DeepseekV2
                     | Family::Llama4
             )
-            || c.family.ernie(),
+            || c.family.ernie()
+            || c.family.gptj(),
         l2_norm: c.llama4.as_ref().is_some_and(|a| a.qk_l2_norm),
         temperature: c.llama4.as_ref().is_some_and(|a| a.temperature.is_some()),
         clipped: c.clip_qkv.is_some(),
@@ -445,7 +447,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW), OPT (not OPT-350m), GPT-BigCode and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW), OPT (not OPT-350m), GPT-BigCode, GPT-J, CodeGen and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -458,7 +460,11 @@ fn dims(x: i64) -> u64 {
 fn fused(c: &LlamaConfig) -> (bool, bool) {
     match c.family {
         Family::Phi3 => (true, true),
-        Family::Persimmon | Family::Dbrx | Family::Falcon | Family::GptBigCode => (true, false),
+        Family::Persimmon
+        | Family::Dbrx
+        | Family::Falcon
+        | Family::GptBigCode
+        | Family::CodeGen => (true, false),
         f if f.glm() => (false, true),
         _ => (false, false),
     }
@@ -479,6 +485,8 @@ fn gated(c: &LlamaConfig) -> bool {
             | Family::Falcon
             | Family::Opt
             | Family::GptBigCode
+            | Family::GptJ
+            | Family::CodeGen
     )
 }
 
@@ -546,6 +554,10 @@ fn counted(c: &LlamaConfig) -> bool {
         // GPT-BigCode's (SantaCoder's, StarCoder's): learned positions,
         // one fused projection, one key head or one a head.
         Family::GptBigCode => true,
+        // GPT-J's attention and MLP side by side after one LayerNorm,
+        // neighbouring pairs of part of each head turned (CodeGen's
+        // from one projection).
+        Family::GptJ | Family::CodeGen => true,
         // Falcon's layers but Falcon-RW's ALiBi.
         Family::Falcon => c.falcon.as_ref().is_some_and(|f| !f.alibi),
         Family::Qwen3
@@ -899,6 +911,7 @@ impl Ranks {
         let (qkv, o, gate, up, down) = match c.family {
             Family::Opt => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
             Family::GptBigCode => ("c_attn", "c_proj", "", "mlp.c_fc", "mlp.c_proj"),
+            f if f.gptj() => ("qkv_proj", "out_proj", "", "mlp.fc_in", "mlp.fc_out"),
             Family::Starcoder2 => ("qkv_proj", "o_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Persimmon => (
                 "query_key_value",
@@ -942,7 +955,7 @@ impl Ranks {
         let attn = match c.family {
             Family::Dbrx => "norm_attn_norm.attn",
             Family::Falcon => "self_attention",
-            Family::GptBigCode => "attn",
+            f if f.gptj() || f == Family::GptBigCode => "attn",
             _ => "self_attn",
         };
         let (fused_qkv, fused_gate_up) = fused(c);
@@ -969,9 +982,9 @@ impl Ranks {
             true => r.qkv = rank(&format!("{attn}.{qkv}")),
             false => {
                 (r.q, r.k, r.v) = (
-                    rank("self_attn.q_proj"),
-                    rank("self_attn.k_proj"),
-                    rank("self_attn.v_proj"),
+                    rank(&format!("{attn}.q_proj")),
+                    rank(&format!("{attn}.k_proj")),
+                    rank(&format!("{attn}.v_proj")),
                 )
             }
         }
@@ -1036,7 +1049,9 @@ impl Norms {
             | Family::Dbrx
             | Family::Falcon
             | Family::Opt
-            | Family::GptBigCode => Self::Layer,
+            | Family::GptBigCode
+            | Family::GptJ
+            | Family::CodeGen => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,

@@ -70,7 +70,7 @@ pub struct EstimateArgs {
     /// Qwen3-MoE's, OLMoE's, FlexOlmo's, Granite-MoE's (shared too),
     /// Hunyuan-MoE's, GLM-4-MoE's, dots.llm1's, DeepSeek-V2's and V3's,
     /// Llama 4's, Apertus's, LFM2's, DBRX's, Falcon's, OPT's,
-    /// GPT-BigCode's, GPT-OSS's).
+    /// GPT-BigCode's, GPT-J's, CodeGen's, GPT-OSS's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -98,7 +98,7 @@ pub struct EstimateArgs {
     /// SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
     /// FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE,
     /// dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX,
-    /// Falcon, OPT, GPT-BigCode and GPT-OSS (not on a mixture's router or experts, shared
+    /// Falcon, OPT, GPT-BigCode, GPT-J, CodeGen and GPT-OSS (not on a mixture's router or experts, shared
     /// or routed).
     #[arg(long)]
     lora_r: Option<i64>,

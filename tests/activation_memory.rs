@@ -191,7 +191,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// dropout off and at its 0.1; GPT-BigCode's one key head and one a
 /// head (unscaled), its dropouts off and at their 0.1; GPT-J's
 /// attention and MLP side by side, part of each head turned in fp32,
-/// its dropouts off and on, and CodeGen's fused projection in blocks.
+/// its dropouts off and on, and CodeGen's fused projection in blocks;
+/// GPT-Neo's global and local layers, its dropouts off and on; and
+/// ALiBi's mask of every head's scores: MPT's (its projection clamped
+/// and not), BLOOM's (its embeddings normalised) and Falcon-RW's.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -423,6 +426,27 @@ const COUNTED: &[(&str, &str)] = &[
         "codegen",
         r#", "n_embd": 64, "n_head": 8, "n_layer": 3, "n_positions": 128, "n_inner": 176, "rotary_dim": 4"#,
     ),
+    (
+        "gpt_neo",
+        r#", "num_layers": 3, "num_heads": 4, "window_size": 16, "attention_types": [[["global", "local"], 1], [["local"], 1]]"#,
+    ),
+    (
+        "gpt_neo",
+        r#", "num_layers": 3, "num_heads": 4, "window_size": 32, "attention_types": [[["local", "global", "global"], 1]], "embed_dropout": 0.1, "resid_dropout": 0.1, "attention_dropout": 0.1"#,
+    ),
+    ("mpt", r#", "num_key_value_heads": 4"#),
+    (
+        "mpt",
+        r#", "num_key_value_heads": 4, "no_bias": false, "attn_config": {"clip_qkv": 0.5}"#,
+    ),
+    (
+        "bloom",
+        r#", "n_layer": 3, "n_head": 4, "num_key_value_heads": 4"#,
+    ),
+    (
+        "falcon",
+        r#", "num_attention_heads": 4, "multi_query": false, "parallel_attn": false, "bias": true, "alibi": true, "new_decoder_architecture": false"#,
+    ),
 ];
 
 #[test]
@@ -650,6 +674,18 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["down_proj"], "fc_out"),
         (&["o_proj"], "out_proj"),
     ]);
+    // MPT's `Wqkv`, `out_proj` and ungated `ffn`.
+    let mpt_cases = renamed(&[
+        (&["q_proj", "k_proj", "v_proj"], "Wqkv"),
+        (&["gate_proj"], "up_proj"),
+        (&["o_proj"], "out_proj"),
+    ]);
+    // GPT-Neo's `out_proj`, `c_fc` and `c_proj`.
+    let gpt_neo_cases = renamed(&[
+        (&["gate_proj", "up_proj"], "c_fc"),
+        (&["down_proj"], "c_proj"),
+        (&["o_proj"], "out_proj"),
+    ]);
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -721,6 +757,8 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "gpt_bigcode" => &bigcode_cases[..],
             "gptj" => &gptj_cases[..],
             "codegen" => &codegen_cases[..],
+            "gpt_neo" => &gpt_neo_cases[..],
+            "mpt" => &mpt_cases[..],
             "deepseek_v3" | "deepseek_v2" if extra.contains(r#""q_lora_rank": null"#) => {
                 &one_q_cases[..]
             }
@@ -728,7 +766,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "llama4_text" => &llama4_cases[..],
             "lfm2" => &lfm2_cases[..],
             "dbrx" => &dbrx_cases[..],
-            "falcon" => &falcon_cases[..],
+            "falcon" | "bloom" => &falcon_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };
@@ -761,7 +799,11 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                         continue;
                     }
                     let trained: i64 = trained.iter().map(|(_, n)| n).sum();
-                    assert_eq!(adapter_params(&c, lora), Some(trained as u64));
+                    assert_eq!(
+                        adapter_params(&c, lora),
+                        Some(trained as u64),
+                        "{model_type}{extra} {lora:?}"
+                    );
                     let (held, loss) = held_by(|| model.loss(&tokens));
                     assert_eq!(
                         Some(held),
@@ -1083,9 +1125,9 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
 fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
-    // Other families' layers save other tensors (Falcon-RW's ALiBi, a
-    // mask of each head's scores); DeepSeek-V3's values wider than its
-    // queries and keys take the attention that keeps every score.
+    // Other families' layers save other tensors (Jamba's scans);
+    // DeepSeek-V3's values wider than its queries and keys take the
+    // attention that keeps every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
     // OPT-350m's norms after each residual sum and its projected
     // embeddings, and an OPT without its final norm.
@@ -1093,7 +1135,6 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let opt_350m = format!(r#"{opt}, "do_layer_norm_before": false, "word_embed_proj_dim": 32"#);
     let opt_bare = format!(r#"{opt}, "_remove_final_layer_norm": true"#);
     for (t, extra) in [
-        ("falcon", r#", "alibi": true"#),
         ("jamba", ""),
         ("deepseek_v3", wide_values),
         ("opt", &opt_350m),
@@ -1162,6 +1203,9 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     // of an attention not the fused kernel's (Gemma 2's soft-capped).
     for (t, dropout) in [
         ("falcon", r#", "hidden_dropout": 0.1, "alibi": false"#),
+        // ALiBi's attention dropped out: not counted either.
+        ("mpt", r#", "attn_config": {"attn_pdrop": 0.1}"#),
+        ("bloom", r#", "attention_dropout": 0.1"#),
         ("mixtral", r#", "attention_dropout": 0.1"#),
         (
             "gemma2",

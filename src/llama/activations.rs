@@ -11,7 +11,9 @@
 //! DeepSeek's latent attention; Llama 4's chunks, L2-normalised heads
 //! and queries grown with their position; Apertus's xIELU; LFM2's short
 //! convolutions; OPT's and GPT-BigCode's learned positions, OPT's ReLU;
-//! GPT-J's fp32 turn of part of each head), the whole model training or LoRA's adapters on a
+//! GPT-J's fp32 turn of part of each head; MPT's, BLOOM's and
+//! Falcon-RW's ALiBi, one mask of every head's scores; BLOOM's norm of
+//! its embeddings), the whole model training or LoRA's adapters on a
 //! frozen base; and those adapters' parameters. GPT-2's, GPT-NeoX's and
 //! Phi's layers are counted in the same terms ([`gpt2`], [`gpt_neox`],
 //! [`phi`]). The models' own dropouts are counted (each keeps its mask;
@@ -151,6 +153,10 @@ pub fn held_for_backward(
     // Learned positions (OPT's): the lookup keeps them, int64, where
     // they train.
     held += (full && c.family.learned_positions()) as u64 * 8 * seq;
+    // BLOOM's LayerNorm of the embeddings, where they train.
+    if c.family == Family::Bloom {
+        held += tokens * w.norm(full, full) + w.norm_weights(full);
+    }
     let mut mask = 0;
     let mut chunks = 0;
     for layer in 0..c.layers.max(0) {
@@ -183,6 +189,11 @@ pub fn held_for_backward(
             .is_some_and(|size| (size.max(0) as u64) < seq);
         if chunked && !recompute && attended_in(live, full, &ranks) {
             chunks = seq * seq * b;
+        }
+        // ALiBi's biases: one mask of every head's scores, in the compute
+        // dtype, that the layers of the forward share.
+        if c.alibi() && !recompute && attended_in(live, full, &ranks) {
+            mask = dims(c.heads) * seq * seq * b;
         }
         held += w.layer_held(recompute, (live, trains), tokens, || {
             tokens * per_token + seq * per_position + per_forward
@@ -447,7 +458,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (not Falcon-RW), OPT (not OPT-350m), GPT-BigCode, GPT-J, CodeGen and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (not OPT-350m), GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -464,7 +475,9 @@ fn fused(c: &LlamaConfig) -> (bool, bool) {
         | Family::Dbrx
         | Family::Falcon
         | Family::GptBigCode
-        | Family::CodeGen => (true, false),
+        | Family::CodeGen
+        | Family::Mpt
+        | Family::Bloom => (true, false),
         f if f.glm() => (false, true),
         _ => (false, false),
     }
@@ -487,6 +500,9 @@ fn gated(c: &LlamaConfig) -> bool {
             | Family::GptBigCode
             | Family::GptJ
             | Family::CodeGen
+            | Family::GptNeo
+            | Family::Mpt
+            | Family::Bloom
     )
 }
 
@@ -558,8 +574,12 @@ fn counted(c: &LlamaConfig) -> bool {
         // neighbouring pairs of part of each head turned (CodeGen's
         // from one projection).
         Family::GptJ | Family::CodeGen => true,
-        // Falcon's layers but Falcon-RW's ALiBi.
-        Family::Falcon => c.falcon.as_ref().is_some_and(|f| !f.alibi),
+        // GPT-Neo's learned positions, unscaled scores, local layers in a
+        // window.
+        Family::GptNeo => true,
+        // MPT's, BLOOM's and Falcon-RW's ALiBi, its biases one mask of
+        // every head's scores.
+        Family::Mpt | Family::Bloom | Family::Falcon => true,
         Family::Qwen3
         | Family::Gemma3
         | Family::Qwen3Moe
@@ -911,6 +931,8 @@ impl Ranks {
         let (qkv, o, gate, up, down) = match c.family {
             Family::Opt => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
             Family::GptBigCode => ("c_attn", "c_proj", "", "mlp.c_fc", "mlp.c_proj"),
+            Family::GptNeo => ("qkv_proj", "out_proj", "", "mlp.c_fc", "mlp.c_proj"),
+            Family::Mpt => ("Wqkv", "out_proj", "", "ffn.up_proj", "ffn.down_proj"),
             f if f.gptj() => ("qkv_proj", "out_proj", "", "mlp.fc_in", "mlp.fc_out"),
             Family::Starcoder2 => ("qkv_proj", "o_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Persimmon => (
@@ -936,7 +958,7 @@ impl Ranks {
             ),
             // DBRX's layers are all experts (no dense MLP).
             Family::Dbrx => ("Wqkv", "out_proj", "", "", ""),
-            Family::Falcon => (
+            Family::Falcon | Family::Bloom => (
                 "query_key_value",
                 "dense",
                 "",
@@ -954,8 +976,10 @@ impl Ranks {
         // DBRX's attention under its norms' module.
         let attn = match c.family {
             Family::Dbrx => "norm_attn_norm.attn",
-            Family::Falcon => "self_attention",
+            Family::Falcon | Family::Bloom => "self_attention",
             f if f.gptj() || f == Family::GptBigCode => "attn",
+            Family::GptNeo => "attn.attention",
+            Family::Mpt => "attn",
             _ => "self_attn",
         };
         let (fused_qkv, fused_gate_up) = fused(c);
@@ -1051,7 +1075,10 @@ impl Norms {
             | Family::Opt
             | Family::GptBigCode
             | Family::GptJ
-            | Family::CodeGen => Self::Layer,
+            | Family::CodeGen
+            | Family::GptNeo
+            | Family::Mpt
+            | Family::Bloom => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,

@@ -70,7 +70,8 @@ pub struct EstimateArgs {
     /// Qwen3-MoE's, OLMoE's, FlexOlmo's, Granite-MoE's (shared too),
     /// Hunyuan-MoE's, GLM-4-MoE's, dots.llm1's, DeepSeek-V2's and V3's,
     /// Llama 4's, Apertus's, LFM2's, DBRX's, Falcon's, OPT's,
-    /// GPT-BigCode's, GPT-J's, CodeGen's, GPT-OSS's).
+    /// GPT-BigCode's, GPT-J's, CodeGen's, GPT-Neo's, MPT's, BLOOM's,
+    /// GPT-OSS's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -98,7 +99,8 @@ pub struct EstimateArgs {
     /// SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
     /// FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE,
     /// dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX,
-    /// Falcon, OPT, GPT-BigCode, GPT-J, CodeGen and GPT-OSS (not on a mixture's router or experts, shared
+    /// Falcon, OPT, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and
+    /// GPT-OSS (not on a mixture's router or experts, shared
     /// or routed).
     #[arg(long)]
     lora_r: Option<i64>,
@@ -506,7 +508,7 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of {} with their own dropouts, but not Falcon's dropouts, a mixture's, nor the attention weights' of attentions other than the fused kernel; nor a router's jitter or balancing loss, nor adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
+            "activations: not counted for this model (zrt counts the layers of {} with their own dropouts, but not Falcon's dropouts, a mixture's, nor the attention weights' of attentions other than the fused kernel or under ALiBi's biases; nor a router's jitter or balancing loss, nor adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
             zrt::llama::COUNTED_FAMILIES
         ),
     }

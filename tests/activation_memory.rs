@@ -194,7 +194,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// its dropouts off and on, and CodeGen's fused projection in blocks;
 /// GPT-Neo's global and local layers, its dropouts off and on; and
 /// ALiBi's mask of every head's scores: MPT's (its projection clamped
-/// and not), BLOOM's (its embeddings normalised) and Falcon-RW's.
+/// and not), BLOOM's (its embeddings normalised) and Falcon-RW's; OPT's
+/// kin, BioGPT's and XGLM's, their dropouts at 0.1 and off.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -435,6 +436,22 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "num_layers": 3, "num_heads": 4, "window_size": 32, "attention_types": [[["local", "global", "global"], 1]], "embed_dropout": 0.1, "resid_dropout": 0.1, "attention_dropout": 0.1"#,
     ),
     ("mpt", r#", "num_key_value_heads": 4"#),
+    (
+        "biogpt",
+        r#", "num_key_value_heads": 4, "pad_token_id": 96"#,
+    ),
+    (
+        "biogpt",
+        r#", "num_key_value_heads": 4, "scale_embedding": false, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "pad_token_id": 96"#,
+    ),
+    (
+        "xglm",
+        r#", "num_key_value_heads": 4, "ffn_dim": 176, "pad_token_id": 96"#,
+    ),
+    (
+        "xglm",
+        r#", "num_key_value_heads": 4, "ffn_dim": 176, "dropout": 0.0, "attention_dropout": 0.0, "pad_token_id": 96"#,
+    ),
     (
         "mpt",
         r#", "num_key_value_heads": 4, "no_bias": false, "attn_config": {"clip_qkv": 0.5}"#,
@@ -753,7 +770,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "hunyuan_v1_moe" => &hunyuan_moe_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
-            "opt" => &opt_cases[..],
+            "opt" | "biogpt" | "xglm" => &opt_cases[..],
             "gpt_bigcode" => &bigcode_cases[..],
             "gptj" => &gptj_cases[..],
             "codegen" => &codegen_cases[..],

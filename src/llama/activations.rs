@@ -458,7 +458,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (not OPT-350m), GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (not OPT-350m), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -503,6 +503,8 @@ fn gated(c: &LlamaConfig) -> bool {
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom
+            | Family::BioGpt
+            | Family::Xglm
     )
 }
 
@@ -567,6 +569,8 @@ fn counted(c: &LlamaConfig) -> bool {
         // but 350m, whose norms follow the residual sums and whose
         // embeddings are projected).
         Family::Opt => c.opt.is_some_and(|o| o.norm_before && o.final_norm) && !c.projected(),
+        // OPT's kin: BioGPT's learned positions and XGLM's sinusoids.
+        Family::BioGpt | Family::Xglm => true,
         // GPT-BigCode's (SantaCoder's, StarCoder's): learned positions,
         // one fused projection, one key head or one a head.
         Family::GptBigCode => true,
@@ -929,7 +933,7 @@ impl Ranks {
         // GPT-NeoX's, Llama 4's MLP under `feed_forward`, LFM2's too
         // under Llama's original names, OPT's under fairseq's.
         let (qkv, o, gate, up, down) = match c.family {
-            Family::Opt => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
+            f if f.fairseq() => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
             Family::GptBigCode => ("c_attn", "c_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::GptNeo => ("qkv_proj", "out_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Mpt => ("Wqkv", "out_proj", "", "ffn.up_proj", "ffn.down_proj"),
@@ -1078,7 +1082,9 @@ impl Norms {
             | Family::CodeGen
             | Family::GptNeo
             | Family::Mpt
-            | Family::Bloom => Self::Layer,
+            | Family::Bloom
+            | Family::BioGpt
+            | Family::Xglm => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,

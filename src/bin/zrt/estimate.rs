@@ -69,7 +69,8 @@ pub struct EstimateArgs {
     /// SmolLM3's, OLMo 1-3's, EXAONE 4's, Mixtral's, Qwen2-MoE's,
     /// Qwen3-MoE's, OLMoE's, FlexOlmo's, Granite-MoE's (shared too),
     /// Hunyuan-MoE's, GLM-4-MoE's, dots.llm1's, DeepSeek-V2's and V3's,
-    /// Llama 4's, Apertus's, LFM2's, DBRX's, Falcon's, OPT's,
+    /// Llama 4's, Apertus's, LFM2's, DBRX's, Falcon's, OPT's, BioGPT's,
+    /// XGLM's,
     /// GPT-BigCode's, GPT-J's, CodeGen's, GPT-Neo's, MPT's, BLOOM's,
     /// GPT-OSS's).
     #[arg(long)]
@@ -99,7 +100,7 @@ pub struct EstimateArgs {
     /// SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
     /// FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE,
     /// dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX,
-    /// Falcon, OPT, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and
+    /// Falcon, OPT, BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and
     /// GPT-OSS (not on a mixture's router or experts, shared
     /// or routed).
     #[arg(long)]

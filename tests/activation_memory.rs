@@ -194,7 +194,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// its dropouts off and on, and CodeGen's fused projection in blocks;
 /// GPT-Neo's global and local layers, its dropouts off and on; and
 /// ALiBi's mask of every head's scores: MPT's (its projection clamped
-/// and not), BLOOM's (its embeddings normalised) and Falcon-RW's; OPT's
+/// and not), BLOOM's (its embeddings normalised), both with their
+/// dropouts too (the attention's plain path beside the mask), and
+/// Falcon-RW's; OPT's
 /// kin, BioGPT's and XGLM's, their dropouts at 0.1 and off.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
@@ -439,6 +441,14 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "biogpt",
         r#", "num_key_value_heads": 4, "pad_token_id": 96"#,
+    ),
+    (
+        "bloom",
+        r#", "n_layer": 3, "n_head": 4, "num_key_value_heads": 4, "attention_dropout": 0.1, "hidden_dropout": 0.1"#,
+    ),
+    (
+        "mpt",
+        r#", "num_key_value_heads": 4, "attn_config": {"attn_pdrop": 0.1}"#,
     ),
     (
         "biogpt",
@@ -1220,9 +1230,6 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     // of an attention not the fused kernel's (Gemma 2's soft-capped).
     for (t, dropout) in [
         ("falcon", r#", "hidden_dropout": 0.1, "alibi": false"#),
-        // ALiBi's attention dropped out: not counted either.
-        ("mpt", r#", "attn_config": {"attn_pdrop": 0.1}"#),
-        ("bloom", r#", "attention_dropout": 0.1"#),
         ("mixtral", r#", "attention_dropout": 0.1"#),
         (
             "gemma2",

@@ -320,7 +320,9 @@ fn rank_at(l: &LoraConfig, name: &str) -> u64 {
 /// `None` where one is on that this count does not follow: Falcon's
 /// (its parallel layers drop out the two outputs' sum), a mixture's
 /// (`experts`), and the weights' where the attention is not the fused
-/// kernel's (soft-capped, beside sinks, latent, ALiBi's or in chunks).
+/// kernel's (soft-capped, beside sinks, latent or in chunks). ALiBi's
+/// attention dropped out takes libtorch's plain path as any other, its
+/// float mask the one a forward holds.
 fn dropouts(c: &LlamaConfig, experts: bool) -> Option<(bool, bool, bool)> {
     let on = (
         c.attention_weights_dropout() > 0.0,
@@ -331,7 +333,6 @@ fn dropouts(c: &LlamaConfig, experts: bool) -> Option<(bool, bool, bool)> {
     let plain_attention = c.attn_softcap.is_none()
         && c.family != Family::GptOss
         && c.mla.is_none()
-        && !c.alibi()
         && c.llama4.as_ref().is_none_or(|a| a.chunk.is_none());
     match (c.falcon.is_some() || experts) && any || on.0 && !plain_attention {
         true => None,

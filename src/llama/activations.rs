@@ -487,25 +487,36 @@ fn fused(c: &LlamaConfig) -> (bool, bool) {
 /// Whether `c`'s MLP is gated (`down(act(gate(x)) * up(x))`): all but
 /// Arcee's, Nemotron's and Persimmon's `down(relu2(up(x)))`,
 /// StarCoder2's `c_proj(gelu(c_fc(x)))` and Apertus's
-/// `down(xielu(up(x)))`.
+/// `down(xielu(up(x)))`, Falcon's and those of GPT-2's era
+/// ([`gpt_era`]).
 fn gated(c: &LlamaConfig) -> bool {
-    !matches!(
-        c.family,
-        Family::Arcee
-            | Family::Starcoder2
-            | Family::Nemotron
-            | Family::Persimmon
-            | Family::Apertus
-            | Family::Falcon
-            | Family::Opt
+    !(gpt_era(c.family)
+        || matches!(
+            c.family,
+            Family::Arcee
+                | Family::Starcoder2
+                | Family::Nemotron
+                | Family::Persimmon
+                | Family::Apertus
+                | Family::Falcon
+        ))
+}
+
+/// The families of GPT-2's era built as Llama-family models: LayerNorms
+/// and an ungated MLP (OPT's and its kin BioGPT's and XGLM's, GPT-J's
+/// and CodeGen's, GPT-BigCode's, GPT-Neo's, MPT's and BLOOM's).
+fn gpt_era(family: Family) -> bool {
+    matches!(
+        family,
+        Family::Opt
+            | Family::BioGpt
+            | Family::Xglm
             | Family::GptBigCode
             | Family::GptJ
             | Family::CodeGen
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom
-            | Family::BioGpt
-            | Family::Xglm
     )
 }
 
@@ -1076,16 +1087,8 @@ impl Norms {
             | Family::StableLm
             | Family::Persimmon
             | Family::Dbrx
-            | Family::Falcon
-            | Family::Opt
-            | Family::GptBigCode
-            | Family::GptJ
-            | Family::CodeGen
-            | Family::GptNeo
-            | Family::Mpt
-            | Family::Bloom
-            | Family::BioGpt
-            | Family::Xglm => Self::Layer,
+            | Family::Falcon => Self::Layer,
+            f if gpt_era(f) => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
             _ => Self::Rms,

@@ -150,8 +150,8 @@ pub fn held_for_backward(
     // its dropout keeps its mask then.
     let mut live = full;
     let mut held = (full && c.embedding_dropout > 0.0) as u64 * tokens * b * w.h;
-    // Learned positions (OPT's): the lookup keeps them, int64, where
-    // they train.
+    // Learned positions (OPT's, BioGPT's, GPT-BigCode's, GPT-Neo's): the
+    // lookup keeps them, int64, where they train.
     held += (full && c.family.learned_positions()) as u64 * 8 * seq;
     // BLOOM's LayerNorm of the embeddings, where they train.
     if c.family == Family::Bloom {
@@ -159,6 +159,7 @@ pub fn held_for_backward(
     }
     let mut mask = 0;
     let mut chunks = 0;
+    let mut alibi = 0;
     for layer in 0..c.layers.max(0) {
         let ranks = match lora {
             Some(l) => Ranks::of(l, layer, c),
@@ -193,7 +194,7 @@ pub fn held_for_backward(
         // ALiBi's biases: one mask of every head's scores, in the compute
         // dtype, that the layers of the forward share.
         if c.alibi() && !recompute && attended_in(live, full, &ranks) {
-            mask = dims(c.heads) * seq * seq * b;
+            alibi = dims(c.heads) * seq * seq * b;
         }
         held += w.layer_held(recompute, (live, trains), tokens, || {
             tokens * per_token + seq * per_position + per_forward
@@ -205,7 +206,13 @@ pub fn held_for_backward(
     let scale = (full && w.norms == Norms::Offset) as u64 * b;
     let vocab = (dims(c.vocab), c.final_softcap.is_some());
     let kept = logits_kept((rows, seq), &w, vocab, (fused_loss, full));
-    Some(held + mask + chunks + scale + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
+    Some(
+        held + mask
+            + chunks
+            + alibi
+            + scale
+            + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)),
+    )
 }
 
 /// A model of layers alike, each over the whole row (GPT-2's, GPT-NeoX's,

@@ -70,9 +70,8 @@ pub struct EstimateArgs {
     /// Qwen3-MoE's, OLMoE's, FlexOlmo's, Granite-MoE's (shared too),
     /// Hunyuan-MoE's, GLM-4-MoE's, dots.llm1's, DeepSeek-V2's and V3's,
     /// Llama 4's, Apertus's, LFM2's, DBRX's, Falcon's, OPT's, BioGPT's,
-    /// XGLM's,
-    /// GPT-BigCode's, GPT-J's, CodeGen's, GPT-Neo's, MPT's, BLOOM's,
-    /// GPT-OSS's).
+    /// XGLM's, GPT-BigCode's, GPT-J's, CodeGen's, GPT-Neo's, MPT's,
+    /// BLOOM's, GPT-OSS's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -100,9 +99,9 @@ pub struct EstimateArgs {
     /// SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
     /// FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE,
     /// dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX,
-    /// Falcon, OPT, BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and
-    /// GPT-OSS (not on a mixture's router or experts, shared
-    /// or routed).
+    /// Falcon, OPT, BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo,
+    /// MPT, BLOOM and GPT-OSS (not on a mixture's router or experts,
+    /// shared or routed).
     #[arg(long)]
     lora_r: Option<i64>,
     /// With `--lora-r`: the linear layers that take adapters,

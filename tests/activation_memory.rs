@@ -196,8 +196,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// ALiBi's mask of every head's scores: MPT's (its projection clamped
 /// and not), BLOOM's (its embeddings normalised), both with their
 /// dropouts too (the attention's plain path beside the mask), and
-/// Falcon-RW's; OPT's
-/// kin, BioGPT's and XGLM's, their dropouts at 0.1 and off.
+/// Falcon-RW's; OPT's kin, BioGPT's and XGLM's, their dropouts at 0.1
+/// and off.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -439,16 +439,28 @@ const COUNTED: &[(&str, &str)] = &[
     ),
     ("mpt", r#", "num_key_value_heads": 4"#),
     (
-        "biogpt",
-        r#", "num_key_value_heads": 4, "pad_token_id": 96"#,
+        "mpt",
+        r#", "num_key_value_heads": 4, "no_bias": false, "attn_config": {"clip_qkv": 0.5}"#,
+    ),
+    (
+        "mpt",
+        r#", "num_key_value_heads": 4, "attn_config": {"attn_pdrop": 0.1}"#,
+    ),
+    (
+        "bloom",
+        r#", "n_layer": 3, "n_head": 4, "num_key_value_heads": 4"#,
     ),
     (
         "bloom",
         r#", "n_layer": 3, "n_head": 4, "num_key_value_heads": 4, "attention_dropout": 0.1, "hidden_dropout": 0.1"#,
     ),
     (
-        "mpt",
-        r#", "num_key_value_heads": 4, "attn_config": {"attn_pdrop": 0.1}"#,
+        "falcon",
+        r#", "num_attention_heads": 4, "multi_query": false, "parallel_attn": false, "bias": true, "alibi": true, "new_decoder_architecture": false"#,
+    ),
+    (
+        "biogpt",
+        r#", "num_key_value_heads": 4, "pad_token_id": 96"#,
     ),
     (
         "biogpt",
@@ -461,18 +473,6 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "xglm",
         r#", "num_key_value_heads": 4, "ffn_dim": 176, "dropout": 0.0, "attention_dropout": 0.0, "pad_token_id": 96"#,
-    ),
-    (
-        "mpt",
-        r#", "num_key_value_heads": 4, "no_bias": false, "attn_config": {"clip_qkv": 0.5}"#,
-    ),
-    (
-        "bloom",
-        r#", "n_layer": 3, "n_head": 4, "num_key_value_heads": 4"#,
-    ),
-    (
-        "falcon",
-        r#", "num_attention_heads": 4, "multi_query": false, "parallel_attn": false, "bias": true, "alibi": true, "new_decoder_architecture": false"#,
     ),
 ];
 
@@ -681,9 +681,9 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         ..lora(&["c_fc"])
     }])
     .collect();
-    // GPT-J's `out_proj`, `fc_in` and `fc_out`; CodeGen's queries, keys
-    // and values one `qkv_proj`.
-    // And its keys alone by a pattern of their path.
+    // GPT-J's `out_proj`, `fc_in` and `fc_out`, and its keys alone by a
+    // pattern of their path; CodeGen's queries, keys and values one
+    // `qkv_proj`.
     let gptj_cases: Vec<_> = (renamed(&[
         (&["gate_proj", "up_proj"], "fc_in"),
         (&["down_proj"], "fc_out"),

@@ -188,7 +188,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// (a view of the fused projection) beside the MLP after one LayerNorm,
 /// 40B's groups after two, one group after one, and one after the other
 /// with biases; and OPT's LayerNorms, learned positions and ReLU, its
-/// dropout off and at its 0.1; GPT-BigCode's one key head and one a
+/// dropout off and at its 0.1, OPT-350m's norms of each residual sum
+/// and narrower embeddings projected in and out, without a final norm,
+/// and projected beside norms before each sublayer; GPT-BigCode's one key head and one a
 /// head (unscaled), its dropouts off and at their 0.1; GPT-J's
 /// attention and MLP side by side, part of each head turned in fp32,
 /// its dropouts off and on, and CodeGen's fused projection in blocks;
@@ -408,6 +410,18 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "opt",
         r#", "num_key_value_heads": 4, "ffn_dim": 176, "pad_token_id": 96"#,
+    ),
+    (
+        "opt",
+        r#", "num_key_value_heads": 4, "ffn_dim": 176, "do_layer_norm_before": false, "word_embed_proj_dim": 32, "pad_token_id": 96"#,
+    ),
+    (
+        "opt",
+        r#", "num_key_value_heads": 4, "ffn_dim": 176, "_remove_final_layer_norm": true, "dropout": 0.0, "pad_token_id": 96"#,
+    ),
+    (
+        "opt",
+        r#", "num_key_value_heads": 4, "ffn_dim": 176, "word_embed_proj_dim": 32, "pad_token_id": 96"#,
     ),
     (
         "gpt_bigcode",
@@ -809,10 +823,13 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                         trained.map(|(n, t)| (n, t.numel() as i64)).collect();
                     let rows_seq = (ROWS as u64, SEQ as u64);
                     let want = held_for_backward(&c, rows_seq, kind, (recompute, true), Some(lora));
-                    // Adapters on a mixture's router or experts are not
-                    // counted, and said so.
+                    // Adapters on a mixture's router or experts, or on
+                    // OPT-350m's projections in and out, are not counted,
+                    // and said so.
                     let on_experts = (trained.iter()).any(|(n, _)| {
-                        n.contains(".experts.")
+                        n.contains(".project_in.")
+                            || n.contains(".project_out.")
+                            || n.contains(".experts.")
                             || n.contains(".shared_expert")
                             || n.contains(".router.layer.")
                             || n.contains(".gate.wg.")
@@ -1156,17 +1173,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     // DeepSeek-V3's values wider than its queries and keys take the
     // attention that keeps every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
-    // OPT-350m's norms after each residual sum and its projected
-    // embeddings, and an OPT without its final norm.
-    let opt = r#", "num_key_value_heads": 4, "ffn_dim": 176"#;
-    let opt_350m = format!(r#"{opt}, "do_layer_norm_before": false, "word_embed_proj_dim": 32"#);
-    let opt_bare = format!(r#"{opt}, "_remove_final_layer_norm": true"#);
-    for (t, extra) in [
-        ("jamba", ""),
-        ("deepseek_v3", wide_values),
-        ("opt", &opt_350m),
-        ("opt", &opt_bare),
-    ] {
+    for (t, extra) in [("jamba", ""), ("deepseek_v3", wide_values)] {
         assert_eq!(
             held_for_backward(&c(t, extra), rows_seq, Kind::Float, (false, true), None),
             None,
@@ -1201,7 +1208,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     }
     // An OPT's embedding under its own name (`model.decoder.`).
     let embedding = zrt::lora::LoraConfig::new(8, 16.0, &["q_proj", "embed_tokens"]);
-    let opt = c("opt", opt);
+    let opt = c("opt", r#", "num_key_value_heads": 4, "ffn_dim": 176"#);
     assert!(adapter_params(&opt, &lora).is_some());
     assert_eq!(adapter_params(&opt, &embedding), None);
     let embedding = zrt::lora::LoraConfig {

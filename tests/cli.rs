@@ -1447,7 +1447,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     let all_linear = [&mixtral_lora[..], &["--lora-targets", "all-linear"]].concat();
     let (ok, out) = zrt(&[&["estimate", "--hf-config", &mixtral][..], &all_linear].concat());
     assert!(
-        !ok && out.contains("(not on a mixture's router or experts)"),
+        !ok && out.contains("(not on a mixture's router or experts, nor on OPT-350m's"),
         "{out}"
     );
     // DeepSeek-V2-Lite's: latent attention, its values padded to the
@@ -1486,7 +1486,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 10] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 12] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1616,6 +1616,30 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "3030371328 params",
                 "a forward of 1 x 4096 tokens in bf16 holds 149.95 GiB a rank",
+            ],
+        ),
+        // OPT-350m's: norms of each residual sum, its embeddings 512 wide
+        // projected in and out of the layers' 1024, its dropout of 0.1.
+        (
+            "opt-350m",
+            r#"{"architectures": ["OPTForCausalLM"], "model_type": "opt", "activation_function": "relu", "attention_dropout": 0.0, "do_layer_norm_before": false, "dropout": 0.1, "ffn_dim": 4096, "hidden_size": 1024, "max_position_embeddings": 2048, "num_attention_heads": 16, "num_hidden_layers": 24, "pad_token_id": 1, "vocab_size": 50272, "word_embed_proj_dim": 512}"#,
+            "2",
+            "2048",
+            &[
+                "331196416 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 1.32 GiB a rank",
+            ],
+        ),
+        // MPT-7B's: ALiBi's biases one mask of 32 heads' scores, 256 MiB
+        // at 2048 tokens, that its layers share.
+        (
+            "mpt-7b",
+            r#"{"architectures": ["MptForCausalLM"], "model_type": "mpt", "d_model": 4096, "n_heads": 32, "n_layers": 32, "max_seq_len": 2048, "vocab_size": 50432, "no_bias": true, "attn_config": {"alibi": true, "attn_pdrop": 0.0, "clip_qkv": null}}"#,
+            "8",
+            "2048",
+            &[
+                "6649286656 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 8.29 GiB a rank",
             ],
         ),
     ];

@@ -83,6 +83,7 @@ pub fn held_for_backward(
     let experts = countable(c, lora)?;
     let (weights_dropout, output_dropout, mlp_dropout) = dropouts(c, experts.is_some())?;
     let b = bytes_of(kind)?;
+    let post_norms = c.opt.is_some_and(|o| !o.norm_before);
     let w = Widths {
         b,
         h: dims(c.hidden),
@@ -96,13 +97,16 @@ pub fn held_for_backward(
         qk_norm: QkNorm::of(c),
         norms: Norms::of(c.family),
         // OLMo 2's, 3's and FlexOlmo's (`olmo()`) norms after each
-        // sublayer only.
+        // sublayer only. OPT-350m's norms of each residual sum keep as
+        // much: the sum where the sublayer's output needs a gradient (the
+        // layer's input needing one, its output does).
         sandwich: c.family.olmo()
             || matches!(
                 c.family,
                 Family::Gemma2 | Family::Gemma3 | Family::Exaone4 | Family::Glm4
-            ),
-        pre_norms: !(c.family.olmo() || c.family == Family::Exaone4),
+            )
+            || post_norms,
+        pre_norms: !(c.family.olmo() || c.family == Family::Exaone4 || post_norms),
         // Persimmon's heads interleave their queries, keys and values:
         // each is a copy. DBRX's values are a view too, unless clipped:
         // each clamp makes a tensor of its own, and keeps the fused
@@ -205,14 +209,18 @@ pub fn held_for_backward(
     // dtype, which the product keeps when the embeddings train.
     let scale = (full && w.norms == Norms::Offset) as u64 * b;
     let vocab = (dims(c.vocab), c.final_softcap.is_some());
-    let kept = logits_kept((rows, seq), &w, vocab, (fused_loss, full));
-    Some(
-        held + mask
-            + chunks
-            + alibi
-            + scale
-            + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)),
-    )
+    // OPT-350m's head reads the embeddings' narrower width, which
+    // `project_out` (no bias) takes the layers' output to; it and
+    // `project_in` keep their inputs where they train.
+    let head = Widths {
+        h: dims(c.embedding_width()),
+        ..w
+    };
+    let projections = (full && c.projected()) as u64 * tokens * b * (head.h + w.h);
+    let kept = logits_kept((rows, seq), &head, vocab, (fused_loss, full));
+    let ends = (c.final_norm().then_some(&w), &head);
+    let head = kept_for_head(ends, tokens, (live, full), (fused_loss, kept));
+    Some(held + mask + chunks + alibi + scale + projections + head)
 }
 
 /// A model of layers alike, each over the whole row (GPT-2's, GPT-NeoX's,
@@ -275,7 +283,8 @@ impl Alike {
             live = out_live;
         }
         let kept = logits_kept((rows, seq), &w, (self.vocab, false), (fused_loss, full));
-        Some(held + kept_for_head(&w, tokens, (live, full), (fused_loss, kept)))
+        let ends = (Some(&w), &w);
+        Some(held + kept_for_head(ends, tokens, (live, full), (fused_loss, kept)))
     }
 
     /// [`adapter_params`] for this model.
@@ -357,23 +366,23 @@ fn bytes_of(kind: Kind) -> Option<u64> {
     }
 }
 
-/// What the layers leave after them for `tokens` tokens: the final norm's,
-/// the head's input and the loss's (`kept`: what the loss keeps,
-/// [`logits_kept`]), given
-/// whether the last layer's output needs a gradient (`live`) and the
-/// whole model trains (`full`).
+/// What the layers leave after them for `tokens` tokens: the final
+/// norm's (`norm`, the layers' widths, where there is one), the head's
+/// input (`head`'s width) and the loss's (`kept`: what the loss keeps,
+/// [`logits_kept`]), given whether the last layer's output needs a
+/// gradient (`live`) and the whole model trains (`full`).
 fn kept_for_head(
-    w: &Widths,
+    (norm, head): (Option<&Widths>, &Widths),
     tokens: u64,
     (live, full): (bool, bool),
     (fused_loss, kept): (bool, u64),
 ) -> u64 {
     let logits_live = live || full;
-    // The final norm; the head's input, when the unfused head trains
-    // (the fused loss's is among what it keeps).
-    let head = w.norm(live, full) + (full && !fused_loss) as u64 * w.b * w.h;
-    let final_norm = w.norm_weights(live);
-    tokens * head + final_norm + kept * logits_live as u64
+    let norm = norm.map_or(0, |n| tokens * n.norm(live, full) + n.norm_weights(live));
+    // The head's input, when the unfused head trains (the fused loss's
+    // is among what it keeps).
+    let input = (full && !fused_loss) as u64 * head.b * head.h;
+    tokens * input + norm + kept * logits_live as u64
 }
 
 /// What the loss keeps of `rows` rows of `seq` tokens' logits of a
@@ -466,7 +475,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (not OPT-350m), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -534,7 +543,14 @@ fn gpt_era(family: Family) -> bool {
 fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Experts>> {
     let [model, embedding, ..] = c.family.names();
     let ends = (c.family.head_name(), &*format!("{model}.{embedding}"));
-    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l, ends)) {
+    // OPT-350m's projections in and out are not a layer's.
+    let projection = |l: &LoraConfig| {
+        c.projected()
+            && ["project_in", "project_out"]
+                .iter()
+                .any(|p| l.targets(&format!("{model}.{p}")))
+    };
+    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l, ends) || projection(l)) {
         return None;
     }
     let Some(m) = &c.moe else {
@@ -584,12 +600,10 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Ernie4_5Moe
         | Family::Dbrx
         | Family::GptOss => !c.qk_norm,
-        // OPT's norms before each sublayer and a final norm (every OPT
-        // but 350m, whose norms follow the residual sums and whose
-        // embeddings are projected).
-        Family::Opt => c.opt.is_some_and(|o| o.norm_before && o.final_norm) && !c.projected(),
-        // OPT's kin: BioGPT's learned positions and XGLM's sinusoids.
-        Family::BioGpt | Family::Xglm => true,
+        // OPT's every layout (OPT-350m's norms of each residual sum and
+        // its projected embeddings too), BioGPT's learned positions and
+        // XGLM's sinusoids.
+        Family::Opt | Family::BioGpt | Family::Xglm => true,
         // GPT-BigCode's (SantaCoder's, StarCoder's): learned positions,
         // one fused projection, one key head or one a head.
         Family::GptBigCode => true,

@@ -260,7 +260,7 @@ fn params_of(a: &EstimateArgs) -> Result<Counted> {
         };
         lora.check("--lora-r, --lora-targets and --lora-dropout")?;
         let Some(adapters) = zrt::hf::adapter_params(path, &lora)? else {
-            bail!("--lora-r counts the adapters of the layers of {} (not on a mixture's router or experts); for this model give the adapters' count as --params and the model's as --frozen", zrt::llama::COUNTED_FAMILIES);
+            bail!("--lora-r counts the adapters of the layers of {} (not on a mixture's router or experts, nor on OPT-350m's projections in and out); for this model give the adapters' count as --params and the model's as --frozen", zrt::llama::COUNTED_FAMILIES);
         };
         println!(
             "LoRA r {r} on {}: {adapters} adapter params train, the {total} of the model frozen",
@@ -508,7 +508,7 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of {} with their own dropouts, but not Falcon's dropouts, a mixture's, nor the attention weights' of attentions other than the fused kernel; nor a router's jitter or balancing loss, nor adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
+            "activations: not counted for this model (zrt counts the layers of {} with their own dropouts, but not Falcon's dropouts, a mixture's, nor the attention weights' of attentions other than the fused kernel; nor a router's jitter or balancing loss, nor adapters on experts or on OPT-350m's projections); measure them: `memory_breakdown` logs what libtorch holds at its peak",
             zrt::llama::COUNTED_FAMILIES
         ),
     }

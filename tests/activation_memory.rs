@@ -199,7 +199,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// and not), BLOOM's (its embeddings normalised), both with their
 /// dropouts too (the attention's plain path beside the mask), and
 /// Falcon-RW's; OPT's kin, BioGPT's and XGLM's, their dropouts at 0.1
-/// and off.
+/// and off; OpenAI GPT's norms of each residual sum, its dropouts off
+/// and at their 0.1.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -471,6 +472,14 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "falcon",
         r#", "num_attention_heads": 4, "multi_query": false, "parallel_attn": false, "bias": true, "alibi": true, "new_decoder_architecture": false"#,
+    ),
+    (
+        "openai-gpt",
+        r#", "n_embd": 64, "n_head": 4, "n_layer": 3, "n_positions": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0"#,
+    ),
+    (
+        "openai-gpt",
+        r#", "n_embd": 64, "n_head": 4, "n_layer": 3, "n_positions": 128, "afn": "gelu""#,
     ),
     (
         "biogpt",
@@ -795,7 +804,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
             "opt" | "biogpt" | "xglm" => &opt_cases[..],
-            "gpt_bigcode" => &bigcode_cases[..],
+            "gpt_bigcode" | "openai-gpt" => &bigcode_cases[..],
             "gptj" => &gptj_cases[..],
             "codegen" => &codegen_cases[..],
             "gpt_neo" => &gpt_neo_cases[..],

@@ -83,7 +83,7 @@ pub fn held_for_backward(
     let experts = countable(c, lora)?;
     let (weights_dropout, output_dropout, mlp_dropout) = dropouts(c, experts.is_some())?;
     let b = bytes_of(kind)?;
-    let post_norms = c.opt.is_some_and(|o| !o.norm_before);
+    let post_norms = c.opt.is_some_and(|o| !o.norm_before) || c.family == Family::OpenAiGpt;
     let w = Widths {
         b,
         h: dims(c.hidden),
@@ -475,7 +475,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -494,7 +494,8 @@ fn fused(c: &LlamaConfig) -> (bool, bool) {
         | Family::GptBigCode
         | Family::CodeGen
         | Family::Mpt
-        | Family::Bloom => (true, false),
+        | Family::Bloom
+        | Family::OpenAiGpt => (true, false),
         f if f.glm() => (false, true),
         _ => (false, false),
     }
@@ -520,7 +521,8 @@ fn gated(c: &LlamaConfig) -> bool {
 
 /// The families of GPT-2's era built as Llama-family models: LayerNorms
 /// and an ungated MLP (OPT's and its kin BioGPT's and XGLM's, GPT-J's
-/// and CodeGen's, GPT-BigCode's, GPT-Neo's, MPT's and BLOOM's).
+/// and CodeGen's, GPT-BigCode's, GPT-Neo's, MPT's, BLOOM's and OpenAI
+/// GPT's).
 fn gpt_era(family: Family) -> bool {
     matches!(
         family,
@@ -533,6 +535,7 @@ fn gpt_era(family: Family) -> bool {
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom
+            | Family::OpenAiGpt
     )
 }
 
@@ -604,6 +607,8 @@ fn counted(c: &LlamaConfig) -> bool {
         // its projected embeddings too), BioGPT's learned positions and
         // XGLM's sinusoids.
         Family::Opt | Family::BioGpt | Family::Xglm => true,
+        // OpenAI GPT's norms of each residual sum, without a final norm.
+        Family::OpenAiGpt => true,
         // GPT-BigCode's (SantaCoder's, StarCoder's): learned positions,
         // one fused projection, one key head or one a head.
         Family::GptBigCode => true,
@@ -967,7 +972,9 @@ impl Ranks {
         // under Llama's original names, OPT's under fairseq's.
         let (qkv, o, gate, up, down) = match c.family {
             f if f.fairseq() => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
-            Family::GptBigCode => ("c_attn", "c_proj", "", "mlp.c_fc", "mlp.c_proj"),
+            Family::GptBigCode | Family::OpenAiGpt => {
+                ("c_attn", "c_proj", "", "mlp.c_fc", "mlp.c_proj")
+            }
             Family::GptNeo => ("qkv_proj", "out_proj", "", "mlp.c_fc", "mlp.c_proj"),
             Family::Mpt => ("Wqkv", "out_proj", "", "ffn.up_proj", "ffn.down_proj"),
             f if f.gptj() => ("qkv_proj", "out_proj", "", "mlp.fc_in", "mlp.fc_out"),
@@ -1014,7 +1021,7 @@ impl Ranks {
         let attn = match c.family {
             Family::Dbrx => "norm_attn_norm.attn",
             Family::Falcon | Family::Bloom => "self_attention",
-            f if f.gptj() || f == Family::GptBigCode => "attn",
+            f if f.gptj() || matches!(f, Family::GptBigCode | Family::OpenAiGpt) => "attn",
             Family::GptNeo => "attn.attention",
             Family::Mpt => "attn",
             _ => "self_attn",

@@ -532,10 +532,13 @@ const MODERNBERT_DECODER: Case = Case {
 /// RWKV's PEFT default targets, in both of a block's mixers: the time
 /// mix's `key`, `value` and `receptance` (64 -> 48) and `output` (48 ->
 /// 64), the channel mix's `key` (64 -> 128), `value` (128 -> 64) and
-/// `receptance` (64 -> 64). Held to 2e-5: the first block's time-mix
-/// `receptance` A ended 1.1e-5 from PEFT's after three AdamW steps (the
+/// `receptance` (64 -> 64). Held to 1e-4: the first block's time-mix
+/// `receptance` A ended 1.1e-5 from PEFT's after three AdamW steps on
+/// the AMD EPYC with AVX-512 this was written on, 5.3e-5 on an AMD EPYC
+/// with AVX2 alone (2026-12-07, seventh session, the same build that
+/// passed before: libtorch's kernels round otherwise there). The
 /// model's own fp32 parity holds its logits and losses to 1e-5
-/// relative, the adapters' forward is Llama's).
+/// relative, the adapters' forward is Llama's.
 const RWKV: Case = Case {
     python: (
         "from transformers import RwkvConfig as C, RwkvForCausalLM as M",
@@ -544,7 +547,7 @@ const RWKV: Case = Case {
     targets: &["key", "value", "receptance", "output"],
     matrices: 28,
     elements: 2 * 4 * (3 * (64 + 48) + (48 + 64) + (64 + 128) + (128 + 64) + (64 + 64)),
-    atol: Some(2e-5),
+    atol: Some(1e-4),
     ..OFF
 };
 
@@ -942,7 +945,10 @@ const ARIA_TEXT: Case = Case {
 /// Granite-MoE's stacked experts, linear layers' `[out, in]` each:
 /// `input_linear.weight` `[4, 64, 64]` (A `[16, 64]`, B `[64, 16]`),
 /// `output_linear.weight` `[4, 64, 32]` (A `[16, 64]`, B `[32, 16]`),
-/// beside the queries.
+/// beside the queries. To 5e-6: layer 0's `q_proj` B ended 1.4e-6 from
+/// PEFT's on an AMD EPYC with AVX2 alone (2026-12-07, seventh session;
+/// within 1e-6 with AVX-512), its multipliers (12 on the embeddings)
+/// carrying the kernels' rounding.
 const GRANITE_MOE: Case = Case {
     python: (
         "from transformers import GraniteMoeConfig as C, GraniteMoeForCausalLM as M",
@@ -952,6 +958,7 @@ const GRANITE_MOE: Case = Case {
     parameters: &["input_linear.weight", "output_linear.weight"],
     matrices: 12,
     elements: 2 * ((4 * 64 + 64 * 4) + (16 * 64 + 64 * 16) + (16 * 64 + 32 * 16)),
+    atol: Some(5e-6),
     ..OFF
 };
 

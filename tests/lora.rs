@@ -648,10 +648,12 @@ const ZAMBA_ALL: Case = Case {
 /// zrt's default (PEFT has none), and their output projections. Without
 /// `use_cache`: `from_pretrained` leaves the model in eval mode, where
 /// its class writes each layer's state into its cache in place, and
-/// the reference's backward then fails. To 5e-4: its steps are chaotic
+/// the reference's backward then fails. To 1e-3: its steps are chaotic
 /// at the cases' learning rate (`tests/from_hf.rs`, `fp32_tolerance`).
 /// Here the first block's `out_proj` A ends 1.2e-6 from PEFT's (2.2e-6
-/// on the Intel Xeon VM), but 1.24e-4 in one CI run. PEFT's own run, its
+/// on the Intel Xeon VM), but 1.24e-4 in one CI run, and 5.5e-4 in
+/// another, on an AMD EPYC with AVX2 alone (2026-12-07, seventh
+/// session; an earlier run of the same tests there passed). PEFT's own run, its
 /// base weights changed by 1e-7 relative, moves its adapters up to
 /// 9.4e-6, and by 1e-5 relative, 1e-4: its gradients move 1e-4 relative
 /// for a change of 1e-7 (a head's small outputs through the per-head
@@ -666,7 +668,7 @@ const XLSTM: Case = Case {
     targets: &["q", "v", "out_proj"],
     matrices: 12,
     elements: 2 * 4 * ((128 + 64) + (128 + 128) + (128 + 128)),
-    atol: Some(5e-4),
+    atol: Some(1e-3),
     ..OFF
 };
 

@@ -120,6 +120,7 @@ pub fn held_for_backward(
         gated: gated(c),
         xielu: c.activation == Activation::Xielu,
         relu: c.activation == Activation::Relu,
+        sub_norms: c.family == Family::Bitnet,
         rows,
         fp32_rope: c.family.olmo()
             || matches!(
@@ -475,7 +476,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, BitNet (trained unrounded) and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -647,6 +648,10 @@ fn counted(c: &LlamaConfig) -> bool {
         // Persimmon's LayerNorms of each head; Llama 4's L2 norms,
         // chunks and queries grown with their position.
         Family::Cohere | Family::StableLm | Family::Persimmon | Family::Llama4 => true,
+        // BitNet's norms of the attention's output and of the MLP's
+        // product, where it trains unrounded (its ternary layers round
+        // weights and inputs, kept otherwise).
+        Family::Bitnet => !c.ternary,
         _ => false,
     }
 }
@@ -1223,6 +1228,10 @@ struct Widths {
     /// OPT's plain ReLU as the ungated MLP's activation, which keeps its
     /// output (the down projection's input).
     relu: bool,
+    /// BitNet's RMSNorms of the attention's output before the output
+    /// projection (`attn_sub_norm`) and of the MLP's product before the
+    /// down projection (`ffn_sub_norm`).
+    sub_norms: bool,
     /// The rows of the forward.
     rows: u64,
 }
@@ -1300,6 +1309,7 @@ impl Widths {
             resid_dropout: (false, false),
             xielu: false,
             relu: false,
+            sub_norms: false,
             rows: 1,
         }
     }
@@ -1666,13 +1676,25 @@ impl Widths {
         // The output projection keeps the attention's output where its
         // weight trains or its adapter reads it as it is.
         let o_kept = self.shares(full, &[r.o]);
+        // BitNet's sub norm reads the attention's output in its place.
+        let o_reads = o_kept && !self.sub_norms;
         let (token, per_position, forward, attended) = match (&self.latent, conv) {
-            (_, Some(kernel)) => self.conv(kernel, (normed, full), r, o_kept),
-            (Some(m), None) => self.latent(m, (normed, full), r, (o_kept, turns)),
-            (None, None) => self.heads((normed, full), r, o_kept, turns),
+            (_, Some(kernel)) => self.conv(kernel, (normed, full), r, o_reads),
+            (Some(m), None) => self.latent(m, (normed, full), r, (o_reads, turns)),
+            (None, None) => self.heads((normed, full), r, o_reads, turns),
         };
         per_token += token;
         per_forward += forward;
+        // Its input in fp32 (in fp32 the attention's output itself, which
+        // the fused kernel keeps already), a reciprocal a token and, where
+        // its weight trains, its normalized values; its output is the
+        // output projection's input.
+        if self.sub_norms {
+            let q = self.q;
+            per_token += attended as u64 * (4 + (b != 4) as u64 * 4 * q)
+                + full as u64 * b * q
+                + o_kept as u64 * b * q;
+        }
         let o_width = match conv {
             Some(_) => self.h,
             None => self.latent.map_or(self.q, |m| self.heads * m.v),
@@ -1745,7 +1767,14 @@ impl Widths {
                         up_live
                     }
                 };
-                // The down projection keeps its input.
+                // BitNet's sub norm of the product: its input in fp32 (in
+                // fp32 the product itself), a reciprocal a token, and its
+                // normalized values where its weight trains.
+                if self.sub_norms {
+                    per_token += self.norm_of((i, 1), inner_live, full);
+                }
+                // The down projection keeps its input (the sub norm's
+                // output, where there is one).
                 per_token += self.shares(full, &[r.down]) as u64 * b * i;
                 per_token += b * r.down + self.dropped(i, &[r.down], inner_live);
                 let down_live = inner_live || full || r.down > 0;

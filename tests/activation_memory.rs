@@ -201,7 +201,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// Falcon-RW's; OPT's kin, BioGPT's and XGLM's, their dropouts at 0.1
 /// and off; OpenAI GPT's norms of each residual sum, its dropouts off
 /// and at their 0.1; BitNet's norms of the attention's output and of
-/// the MLP's product (trained unrounded).
+/// the MLP's product (trained unrounded); DiffLlama's heads in pairs over
+/// values twice as wide, with every key head its own and two heads a key
+/// head.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -499,6 +501,11 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "num_key_value_heads": 4, "ffn_dim": 176, "dropout": 0.0, "attention_dropout": 0.0, "pad_token_id": 96"#,
     ),
     ("bitnet", r#", "attention_bias": true"#),
+    ("diffllama", ""),
+    (
+        "diffllama",
+        r#", "num_attention_heads": 8, "attention_bias": true"#,
+    ),
 ];
 
 #[test]

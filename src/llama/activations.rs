@@ -121,6 +121,7 @@ pub fn held_for_backward(
         xielu: c.activation == Activation::Xielu,
         relu: c.activation == Activation::Relu,
         sub_norms: c.family == Family::Bitnet,
+        differential: c.family == Family::DiffLlama,
         rows,
         fp32_rope: c.family.olmo()
             || matches!(
@@ -476,7 +477,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, BitNet (trained unrounded) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, BitNet (trained unrounded), DiffLlama and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -652,6 +653,8 @@ fn counted(c: &LlamaConfig) -> bool {
         // product, where it trains unrounded (its ternary layers round
         // weights and inputs, kept otherwise).
         Family::Bitnet => !c.ternary,
+        // DiffLlama's heads in pairs over values twice as wide.
+        Family::DiffLlama => true,
         _ => false,
     }
 }
@@ -1232,6 +1235,10 @@ struct Widths {
     /// projection (`attn_sub_norm`) and of the MLP's product before the
     /// down projection (`ffn_sub_norm`).
     sub_norms: bool,
+    /// DiffLlama's differential attention: every head over every head's
+    /// keys and over values twice as wide, the heads' outputs combined
+    /// in pairs and RMS-normalised ([`super::differential`]).
+    differential: bool,
     /// The rows of the forward.
     rows: u64,
 }
@@ -1310,6 +1317,7 @@ impl Widths {
             xielu: false,
             relu: false,
             sub_norms: false,
+            differential: false,
             rows: 1,
         }
     }
@@ -1457,6 +1465,11 @@ impl Widths {
                 let scores = self.rows * heads * 4 * weights * seq * seq;
                 (per_token + o_kept as u64 * b * q, scores)
             }
+            // DiffLlama's: the fused kernel's queries and keys padded to
+            // the values' width, each head's values two heads' side by
+            // side, and its output: four tensors each `2 q` wide; the
+            // log-sum-exp per head.
+            None if self.differential && (q_live || k_live || v_live) => (8 * b * q + 4 * heads, 0),
             // The fused attention keeps its inputs, output and fp32 log-
             // sum-exp per head; its output is the output projection's
             // input. Phi-3's values are a view of the fused projection's
@@ -1676,8 +1689,9 @@ impl Widths {
         // The output projection keeps the attention's output where its
         // weight trains or its adapter reads it as it is.
         let o_kept = self.shares(full, &[r.o]);
-        // BitNet's sub norm reads the attention's output in its place.
-        let o_reads = o_kept && !self.sub_norms;
+        // BitNet's sub norm reads the attention's output in its place,
+        // DiffLlama's combination of the heads' outputs.
+        let o_reads = o_kept && !self.sub_norms && !self.differential;
         let (token, per_position, forward, attended) = match (&self.latent, conv) {
             (_, Some(kernel)) => self.conv(kernel, (normed, full), r, o_reads),
             (Some(m), None) => self.latent(m, (normed, full), r, (o_reads, turns)),
@@ -1689,6 +1703,17 @@ impl Widths {
         // the fused kernel keeps already), a reciprocal a token and, where
         // its weight trains, its normalized values; its output is the
         // output projection's input.
+        // DiffLlama's heads combined in pairs (`first - lambda second`),
+        // then RMS-normalised without weights: the difference in fp32 (in
+        // fp32 itself) and a reciprocal a pair of heads; `lambda` once a
+        // forward, in the compute dtype, and the two exponentials it is
+        // made of in fp32 where they train. The combination, its heads
+        // merged, is a copy the output projection keeps.
+        if self.differential {
+            let (q, heads) = (self.q, self.heads);
+            per_token += attended as u64 * (4 * q + 4 * (heads / 2)) + o_kept as u64 * b * q;
+            per_forward += full as u64 * 2 * 4 + attended as u64 * b;
+        }
         if self.sub_norms {
             let q = self.q;
             per_token += attended as u64 * (4 + (b != 4) as u64 * 4 * q)

@@ -202,8 +202,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// and off; OpenAI GPT's norms of each residual sum, its dropouts off
 /// and at their 0.1; BitNet's norms of the attention's output and of
 /// the MLP's product (trained unrounded); DiffLlama's heads in pairs over
-/// values twice as wide, with every key head its own and two heads a key
-/// head.
+/// values twice as wide, two heads a key head and four; CTRL's
+/// LayerNorms and ReLU under its own names, its sinusoids, its
+/// dropouts at their 0.1 and off.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -506,6 +507,14 @@ const COUNTED: &[(&str, &str)] = &[
         "diffllama",
         r#", "num_attention_heads": 8, "attention_bias": true"#,
     ),
+    (
+        "ctrl",
+        r#", "n_embd": 64, "dff": 176, "n_layer": 3, "n_head": 4, "num_key_value_heads": 4, "n_positions": 128"#,
+    ),
+    (
+        "ctrl",
+        r#", "n_embd": 64, "dff": 176, "n_layer": 3, "n_head": 4, "num_key_value_heads": 4, "n_positions": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0"#,
+    ),
 ];
 
 #[test]
@@ -713,6 +722,22 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         ..lora(&["c_fc"])
     }])
     .collect();
+    // CTRL's `Wq`, `Wk`, `Wv` and `dense`, its MLP's `ffn.0` and
+    // `ffn.2`; its keys alone by a pattern of their path.
+    let ctrl_cases: Vec<_> = (renamed(&[
+        (&["q_proj"], "Wq"),
+        (&["k_proj"], "Wk"),
+        (&["v_proj"], "Wv"),
+        (&["o_proj"], "dense"),
+        (&["gate_proj", "up_proj"], "ffn.0"),
+        (&["down_proj"], "ffn.2"),
+    ]))
+    .into_iter()
+    .chain([zrt::lora::LoraConfig {
+        target_pattern: Some(r"transformer\.h\.\d+\.multi_head_attention\.Wk".into()),
+        ..lora(&[])
+    }])
+    .collect();
     // GPT-J's `out_proj`, `fc_in` and `fc_out`, and its keys alone by a
     // pattern of their path; CodeGen's queries, keys and values one
     // `qkv_proj`.
@@ -814,6 +839,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "starcoder2" => &starcoder2_cases[..],
             "opt" | "biogpt" | "xglm" => &opt_cases[..],
             "gpt_bigcode" | "openai-gpt" => &bigcode_cases[..],
+            "ctrl" => &ctrl_cases[..],
             "gptj" => &gptj_cases[..],
             "codegen" => &codegen_cases[..],
             "gpt_neo" => &gpt_neo_cases[..],

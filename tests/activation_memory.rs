@@ -204,7 +204,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// the MLP's product (trained unrounded); DiffLlama's heads in pairs over
 /// values twice as wide, two heads a key head and four; CTRL's
 /// LayerNorms and ReLU under its own names, its sinusoids, its
-/// dropouts at their 0.1 and off.
+/// dropouts at their 0.1 and off; GPT-NeoX-Japanese's one fused
+/// projection a head, half of each head turned, and all of it, tied,
+/// its dropouts off and on.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -515,6 +517,14 @@ const COUNTED: &[(&str, &str)] = &[
         "ctrl",
         r#", "n_embd": 64, "dff": 176, "n_layer": 3, "n_head": 4, "num_key_value_heads": 4, "n_positions": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0"#,
     ),
+    (
+        "gpt_neox_japanese",
+        r#", "intermediate_multiple_size": 2.75, "num_key_value_heads": 4, "rotary_pct": 0.5, "attention_dropout": 0.0, "hidden_dropout": 0.0"#,
+    ),
+    (
+        "gpt_neox_japanese",
+        r#", "intermediate_multiple_size": 2.75, "num_key_value_heads": 4, "attention_dropout": 0.1, "hidden_dropout": 0.1, "tie_word_embeddings": true"#,
+    ),
 ];
 
 #[test]
@@ -699,6 +709,14 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             ..lora(&["query_key_value", "dense"])
         }])
         .collect();
+    // GPT-NeoX-Japanese's names are Persimmon's, its attention
+    // `attention`.
+    let neox_japanese_cases: Vec<_> = (persimmon_cases.iter().cloned())
+        .chain([zrt::lora::LoraConfig {
+            rank_pattern: vec![("attention.dense".into(), 3)],
+            ..lora(&["query_key_value", "dense"])
+        }])
+        .collect();
     // Hunyuan's router (`gate.wg`) alone.
     let hunyuan_moe_cases: Vec<_> = (moe_shared_cases.iter().cloned())
         .chain([lora(&["wg"])])
@@ -852,6 +870,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "lfm2" => &lfm2_cases[..],
             "dbrx" => &dbrx_cases[..],
             "falcon" | "bloom" => &falcon_cases[..],
+            "gpt_neox_japanese" => &neox_japanese_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };

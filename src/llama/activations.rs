@@ -477,7 +477,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, BitNet (trained unrounded), DiffLlama and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, BitNet (trained unrounded), DiffLlama and GPT-OSS";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -497,7 +497,8 @@ fn fused(c: &LlamaConfig) -> (bool, bool) {
         | Family::CodeGen
         | Family::Mpt
         | Family::Bloom
-        | Family::OpenAiGpt => (true, false),
+        | Family::OpenAiGpt
+        | Family::GptNeoxJapanese => (true, false),
         f if f.glm() => (false, true),
         _ => (false, false),
     }
@@ -524,7 +525,7 @@ fn gated(c: &LlamaConfig) -> bool {
 /// The families of GPT-2's era built as Llama-family models: LayerNorms
 /// and an ungated MLP (OPT's and its kin BioGPT's and XGLM's, GPT-J's
 /// and CodeGen's, GPT-BigCode's, GPT-Neo's, MPT's, BLOOM's, OpenAI
-/// GPT's and CTRL's).
+/// GPT's, CTRL's and GPT-NeoX-Japanese's).
 fn gpt_era(family: Family) -> bool {
     matches!(
         family,
@@ -539,6 +540,7 @@ fn gpt_era(family: Family) -> bool {
             | Family::Bloom
             | Family::OpenAiGpt
             | Family::Ctrl
+            | Family::GptNeoxJapanese
     )
 }
 
@@ -656,7 +658,8 @@ fn counted(c: &LlamaConfig) -> bool {
         Family::Bitnet => !c.ternary,
         // DiffLlama's heads in pairs over values twice as wide.
         Family::DiffLlama => true,
-        Family::Ctrl => true,
+        // CTRL's and GPT-NeoX-Japanese's LayerNorms and ungated MLPs.
+        Family::Ctrl | Family::GptNeoxJapanese => true,
         _ => false,
     }
 }
@@ -1014,7 +1017,7 @@ impl Ranks {
             Family::Dbrx => ("Wqkv", "out_proj", "", "", ""),
             // CTRL's MLP a sequence of modules, its ReLU between.
             Family::Ctrl => ("", "dense", "", "ffn.0", "ffn.2"),
-            Family::Falcon | Family::Bloom => (
+            Family::Falcon | Family::Bloom | Family::GptNeoxJapanese => (
                 "query_key_value",
                 "dense",
                 "",
@@ -1037,6 +1040,7 @@ impl Ranks {
             Family::GptNeo => "attn.attention",
             Family::Mpt => "attn",
             Family::Ctrl => "multi_head_attention",
+            Family::GptNeoxJapanese => "attention",
             _ => "self_attn",
         };
         // CTRL's queries, keys and values under names of its own.

@@ -206,7 +206,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// LayerNorms and ReLU under its own names, its sinusoids, its
 /// dropouts at their 0.1 and off; GPT-NeoX-Japanese's one fused
 /// projection a head, half of each head turned, and all of it, tied,
-/// its dropouts off and on.
+/// its dropouts off and on; ModernBERT-decoder's normalised
+/// embeddings, its first layer's attention without a norm, its gated
+/// `Wi`, windows shorter than the row every other layer, the dense layer,
+/// activation and norm before its head, its dropouts off and on, tied.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -525,6 +528,18 @@ const COUNTED: &[(&str, &str)] = &[
         "gpt_neox_japanese",
         r#", "intermediate_multiple_size": 2.75, "num_key_value_heads": 4, "attention_dropout": 0.1, "hidden_dropout": 0.1, "tie_word_embeddings": true"#,
     ),
+    (
+        "modernbert-decoder",
+        r#", "intermediate_size": 88, "num_key_value_heads": 4, "local_attention": 8, "global_attn_every_n_layers": 2, "pad_token_id": 95, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2, "embedding_dropout": 0.0, "attention_dropout": 0.0"#,
+    ),
+    (
+        "modernbert-decoder",
+        r#", "intermediate_size": 88, "num_key_value_heads": 4, "local_attention": 8, "global_attn_every_n_layers": 2, "pad_token_id": 95, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2, "embedding_dropout": 0.1, "attention_dropout": 0.1"#,
+    ),
+    (
+        "modernbert-decoder",
+        r#", "intermediate_size": 88, "num_key_value_heads": 4, "pad_token_id": 95, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2, "tie_word_embeddings": true"#,
+    ),
 ];
 
 #[test]
@@ -709,6 +724,25 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             ..lora(&["query_key_value", "dense"])
         }])
         .collect();
+    // ModernBERT-decoder's `Wo` (the attention's and the MLP's) and
+    // `Wi`, the attention's output alone by a pattern of its path; and
+    // the dense layer before its head (`lm_head.dense`), alone (its
+    // adapter alone needing the logits' gradient) and beside the
+    // queries.
+    let modernbert_cases: Vec<_> = (renamed(&[
+        (&["gate_proj", "up_proj"], "Wi"),
+        (&["o_proj", "down_proj"], "Wo"),
+    ]))
+    .into_iter()
+    .chain([
+        zrt::lora::LoraConfig {
+            target_pattern: Some(r"model\.layers\.\d+\.attn\.Wo".into()),
+            ..lora(&[])
+        },
+        lora(&["dense"]),
+        dropped(0.1, &lora(&["dense", "q_proj"])),
+    ])
+    .collect();
     // GPT-NeoX-Japanese's names are Persimmon's, its attention
     // `attention`.
     let neox_japanese_cases: Vec<_> = (persimmon_cases.iter().cloned())
@@ -871,6 +905,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "dbrx" => &dbrx_cases[..],
             "falcon" | "bloom" => &falcon_cases[..],
             "gpt_neox_japanese" => &neox_japanese_cases[..],
+            "modernbert-decoder" => &modernbert_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };

@@ -107,6 +107,7 @@ pub fn held_for_backward(
             )
             || post_norms,
         pre_norms: !(c.family.olmo() || c.family == Family::Exaone4 || post_norms),
+        attention_norm: true,
         // Persimmon's heads interleave their queries, keys and values:
         // each is a copy. DBRX's values are a view too, unless clipped:
         // each clamp makes a tensor of its own, and keeps the fused
@@ -159,8 +160,9 @@ pub fn held_for_backward(
     // Learned positions (OPT's, BioGPT's, GPT-BigCode's, GPT-Neo's): the
     // lookup keeps them, int64, where they train.
     held += (full && c.family.learned_positions()) as u64 * 8 * seq;
-    // BLOOM's LayerNorm of the embeddings, where they train.
-    if c.family == Family::Bloom {
+    // BLOOM's and ModernBERT-decoder's LayerNorm of the embeddings,
+    // where they train.
+    if matches!(c.family, Family::Bloom | Family::ModernBertDecoder) {
         held += tokens * w.norm(full, full) + w.norm_weights(full);
     }
     let mut mask = 0;
@@ -178,14 +180,23 @@ pub fn held_for_backward(
         let turns = c.turns(layer);
         // LFM2's convolution layers in place of attention.
         let conv = (c.short_conv_layer(layer)).map(|s| dims(s.kernel));
-        let (per_token, per_position, per_forward, out_live) =
-            w.layer((live, full), &ranks, mixture, (turns, conv));
+        // ModernBERT-decoder's first layer attends to its input as it
+        // is, without a norm.
+        let first_bare = c.family == Family::ModernBertDecoder && layer == 0;
+        let (per_token, per_position, per_forward, out_live) = Widths {
+            attention_norm: !first_bare,
+            ..w
+        }
+        .layer((live, full), &ranks, mixture, (turns, conv));
         // A window shorter than the row is a mask of a row's scores in
         // the compute dtype, one for every layer of the forward (the
-        // soft-capped scores' is each layer's own, counted with them).
+        // soft-capped scores' is each layer's own, counted with them),
+        // which the layers' cache holds until the next forward whether
+        // or not a gradient flows through them (ModernBERT-decoder's
+        // adapter before its head alone).
         let windowed =
             w.eager.is_none() && c.window(layer).is_some_and(|w| (w.max(0) as u64) < seq);
-        if windowed && !recompute && attended_in(live, full, &ranks) {
+        if windowed && !recompute {
             mask = seq * seq * b;
         }
         // Llama 4's chunks, shorter than the row: one mask too, its
@@ -220,9 +231,26 @@ pub fn held_for_backward(
     };
     let projections = (full && c.projected()) as u64 * tokens * b * (head.h + w.h);
     let kept = logits_kept((rows, seq), &head, vocab, (fused_loss, full));
+    // ModernBERT-decoder's transform before its head (`lm_head.dense`,
+    // the MLP's activation, a LayerNorm): the dense layer keeps its input
+    // where it trains or an adapter reads it, the activation its input
+    // and the norm its own where a gradient flows through them. An
+    // adapter there alone makes the logits need a gradient.
+    let transform = match c.family == Family::ModernBertDecoder {
+        true => {
+            let r = lora.map_or(0, |l| rank_at(l, HEAD_TRANSFORM));
+            let (input_live, out_live) = (live || full, live || full || r > 0);
+            let dense = w.shares(full, &[r]) as u64 * b * w.h + b * r;
+            let dense = dense + w.dropped(w.h, &[r], input_live);
+            let act = out_live as u64 * b * w.h;
+            tokens * (dense + act + w.norm(out_live, full))
+                + (out_live && !input_live) as u64 * kept
+        }
+        false => 0,
+    };
     let ends = (c.final_norm().then_some(&w), &head);
     let head = kept_for_head(ends, tokens, (live, full), (fused_loss, kept));
-    Some(held + mask + chunks + alibi + scale + projections + head)
+    Some(held + mask + chunks + alibi + scale + projections + transform + head)
 }
 
 /// A model of layers alike, each over the whole row (GPT-2's, GPT-NeoX's,
@@ -464,10 +492,16 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
             + r.gate_up * (h + 2 * i)
             + r.down * (i + h)
     };
+    // ModernBERT-decoder's dense layer before its head.
+    let transform = match c.family == Family::ModernBertDecoder {
+        true => rank_at(lora, HEAD_TRANSFORM) * 2 * h,
+        false => 0,
+    };
     Some(
         (0..c.layers.max(0))
             .map(|l| per_layer(&Ranks::of(lora, l, c), c.short_conv_layer(l).is_some()))
-            .sum(),
+            .sum::<u64>()
+            + transform,
     )
 }
 
@@ -477,7 +511,12 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, BitNet (trained unrounded), DiffLlama and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama and GPT-OSS";
+
+/// ModernBERT-decoder's dense layer before its head, by its checkpoint
+/// name (`lm_head.dense`: `all-linear` adapts it, the head being
+/// `decoder`).
+const HEAD_TRANSFORM: &str = "lm_head.dense";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -499,7 +538,7 @@ fn fused(c: &LlamaConfig) -> (bool, bool) {
         | Family::Bloom
         | Family::OpenAiGpt
         | Family::GptNeoxJapanese => (true, false),
-        f if f.glm() => (false, true),
+        f if f.glm() || f == Family::ModernBertDecoder => (false, true),
         _ => (false, false),
     }
 }
@@ -660,6 +699,7 @@ fn counted(c: &LlamaConfig) -> bool {
         Family::DiffLlama => true,
         // CTRL's and GPT-NeoX-Japanese's LayerNorms and ungated MLPs.
         Family::Ctrl | Family::GptNeoxJapanese => true,
+        Family::ModernBertDecoder => true,
         _ => false,
     }
 }
@@ -1017,6 +1057,8 @@ impl Ranks {
             Family::Dbrx => ("Wqkv", "out_proj", "", "", ""),
             // CTRL's MLP a sequence of modules, its ReLU between.
             Family::Ctrl => ("", "dense", "", "ffn.0", "ffn.2"),
+            // ModernBERT-decoder's gate and up one `Wi`.
+            Family::ModernBertDecoder => ("", "Wo", "", "mlp.Wi", "mlp.Wo"),
             Family::Falcon | Family::Bloom | Family::GptNeoxJapanese => (
                 "query_key_value",
                 "dense",
@@ -1036,7 +1078,14 @@ impl Ranks {
         let attn = match c.family {
             Family::Dbrx => "norm_attn_norm.attn",
             Family::Falcon | Family::Bloom => "self_attention",
-            f if f.gptj() || matches!(f, Family::GptBigCode | Family::OpenAiGpt) => "attn",
+            f if f.gptj()
+                || matches!(
+                    f,
+                    Family::GptBigCode | Family::OpenAiGpt | Family::ModernBertDecoder
+                ) =>
+            {
+                "attn"
+            }
             Family::GptNeo => "attn.attention",
             Family::Mpt => "attn",
             Family::Ctrl => "multi_head_attention",
@@ -1085,6 +1134,7 @@ impl Ranks {
             return r;
         }
         match (fused_gate_up, gated(c)) {
+            (true, _) if c.family == Family::ModernBertDecoder => r.gate_up = rank(up),
             (true, _) => r.gate_up = rank("mlp.gate_up_proj"),
             (false, true) => (r.gate, r.up) = (rank(gate), rank(up)),
             (false, false) => r.up = rank(up),
@@ -1137,7 +1187,8 @@ impl Norms {
             | Family::StableLm
             | Family::Persimmon
             | Family::Dbrx
-            | Family::Falcon => Self::Layer,
+            | Family::Falcon
+            | Family::ModernBertDecoder => Self::Layer,
             f if gpt_era(f) => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
@@ -1194,6 +1245,9 @@ struct Widths {
     sandwich: bool,
     /// Norms before each sublayer (all but OLMo 2's and 3's).
     pre_norms: bool,
+    /// The norm before the attention, where [`Widths::pre_norms`] (all
+    /// but ModernBERT-decoder's first layer's).
+    attention_norm: bool,
     /// Phi-3's (and DBRX's unclipped) fused projection: queries, keys
     /// and values one output, which the values, a view of it, keep
     /// whole.
@@ -1315,6 +1369,7 @@ impl Widths {
             norms: Norms::Layer,
             sandwich: false,
             pre_norms: true,
+            attention_norm: true,
             views: false,
             gated: false,
             fp32_rope: false,
@@ -1687,11 +1742,11 @@ impl Widths {
         // it does.
         let gate_up = r.gate_up > 0;
         let (mut per_token, mut per_forward) = (0, 0);
-        if pre_norms {
+        if pre_norms && self.attention_norm {
             per_token += self.norm(live, full);
             per_forward += self.norm_weights(live);
         }
-        let normed = live || (pre_norms && full);
+        let normed = live || (pre_norms && self.attention_norm && full);
         // Queries, keys and values read one tensor (and, side by side,
         // the MLP's gate and up).
         let mut readers = r.attention_ranks().to_vec();

@@ -71,7 +71,9 @@ pub struct EstimateArgs {
     /// Hunyuan-MoE's, GLM-4-MoE's, dots.llm1's, DeepSeek-V2's and V3's,
     /// Llama 4's, Apertus's, LFM2's, DBRX's, Falcon's, OPT's, BioGPT's,
     /// XGLM's, GPT-BigCode's, GPT-J's, CodeGen's, GPT-Neo's, MPT's,
-    /// BLOOM's, OpenAI GPT's, GPT-OSS's).
+    /// BLOOM's, OpenAI GPT's, CTRL's, GPT-NeoX-Japanese's,
+    /// ModernBERT-decoder's, BitNet's trained unrounded, DiffLlama's,
+    /// GPT-OSS's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -100,7 +102,9 @@ pub struct EstimateArgs {
     /// FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE,
     /// dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX,
     /// Falcon, OPT, BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo,
-    /// MPT, BLOOM, OpenAI GPT and GPT-OSS (not on a mixture's router or experts,
+    /// MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder
+    /// (its dense layer before the head too), BitNet trained unrounded,
+    /// DiffLlama and GPT-OSS (not on a mixture's router or experts,
     /// shared or routed).
     #[arg(long)]
     lora_r: Option<i64>,

@@ -1267,11 +1267,17 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
 fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
-    // Other families' layers save other tensors (Jamba's scans);
-    // DeepSeek-V3's values wider than its queries and keys take the
-    // attention that keeps every score.
+    // Other families' layers save other tensors (Jamba's scans, BitNet's
+    // rounding to ternary weights and 8-bit inputs); DeepSeek-V3's
+    // values wider than its queries and keys take the attention that
+    // keeps every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
-    for (t, extra) in [("jamba", ""), ("deepseek_v3", wide_values)] {
+    let ternary = r#", "quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}"#;
+    for (t, extra) in [
+        ("jamba", ""),
+        ("deepseek_v3", wide_values),
+        ("bitnet", ternary),
+    ] {
         assert_eq!(
             held_for_backward(&c(t, extra), rows_seq, Kind::Float, (false, true), None),
             None,

@@ -209,7 +209,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// its dropouts off and on; ModernBERT-decoder's normalised
 /// embeddings, its first layer's attention without a norm, its gated
 /// `Wi`, windows shorter than the row every other layer, the dense layer,
-/// activation and norm before its head, its dropouts off and on, tied.
+/// activation and norm before its head, its dropouts off and on, tied;
+/// Doge's dynamic mask (each query keeping its 6 keys of highest bias,
+/// and all 24), its attention in blocks of queries, its weighted
+/// residuals, in a window, biased, tied, its dropout on.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -540,6 +543,11 @@ const COUNTED: &[(&str, &str)] = &[
         "modernbert-decoder",
         r#", "intermediate_size": 88, "num_key_value_heads": 4, "pad_token_id": 95, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2, "tie_word_embeddings": true"#,
     ),
+    ("doge", r#", "keep_window_size": 6"#),
+    (
+        "doge",
+        r#", "keep_window_size": 30, "sliding_window": 8, "attention_bias": true, "hidden_dropout": 0.1, "tie_word_embeddings": true"#,
+    ),
 ];
 
 #[test]
@@ -743,6 +751,14 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         dropped(0.1, &lora(&["dense", "q_proj"])),
     ])
     .collect();
+    // Doge's dynamic mask's `dt_proj` (reading the values), beside the
+    // queries.
+    let doge_cases: Vec<_> = (cases.iter().cloned())
+        .chain([
+            lora(&["dt_proj", "q_proj"]),
+            dropped(0.1, &lora(&["q_proj", "v_proj", "dt_proj"])),
+        ])
+        .collect();
     // GPT-NeoX-Japanese's names are Persimmon's, its attention
     // `attention`.
     let neox_japanese_cases: Vec<_> = (persimmon_cases.iter().cloned())
@@ -906,6 +922,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "falcon" | "bloom" => &falcon_cases[..],
             "gpt_neox_japanese" => &neox_japanese_cases[..],
             "modernbert-decoder" => &modernbert_cases[..],
+            "doge" => &doge_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };
@@ -1284,6 +1301,18 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
             "{t}{extra}"
         );
     }
+    // Doge's attention whose queries need no gradient computes its
+    // scores whole, beside its dynamic mask: an adapter on the first
+    // layer's values alone is not counted; with one on its queries too
+    // it is.
+    let doge = c("doge", r#", "keep_window_size": 6"#);
+    let on_doge = |t: &[&str]| {
+        let l = zrt::lora::LoraConfig::new(8, 16.0, t);
+        held_for_backward(&doge, rows_seq, Kind::Float, (false, true), Some(&l))
+    };
+    assert_eq!(on_doge(&["v_proj"]), None);
+    assert_eq!(on_doge(&["dt_proj"]), None);
+    assert!(on_doge(&["q_proj", "v_proj"]).is_some());
     let llama = c("llama", "");
     let lora = zrt::lora::LoraConfig::new(8, 16.0, &["q_proj"]);
     let est = |l: &zrt::lora::LoraConfig| {

@@ -140,12 +140,14 @@ pub fn held_for_backward(
         clipped: c.clip_qkv.is_some(),
         parallel: c.parallel || c.falcon.as_ref().is_some_and(|f| f.parallel),
         two_norms: c.falcon.as_ref().is_some_and(|f| f.parallel && f.two_norms),
-        eager: (c.attn_softcap.is_some() || c.family == Family::GptOss).then_some(Eager {
-            rows,
-            seq,
-            capped: c.attn_softcap.is_some(),
-            sinks: c.family == Family::GptOss,
-        }),
+        eager: (c.attn_softcap.is_some() || matches!(c.family, Family::GptOss | Family::Doge))
+            .then_some(Eager {
+                rows,
+                seq,
+                capped: c.attn_softcap.is_some(),
+                sinks: c.family == Family::GptOss,
+                dynamic: c.family == Family::Doge,
+            }),
         latent: c.mla.as_ref().map(Latent::of),
         dropout: lora.is_some_and(|l| l.dropout > 0.0),
         attention_dropout: weights_dropout.then_some(seq),
@@ -180,6 +182,12 @@ pub fn held_for_backward(
         let turns = c.turns(layer);
         // LFM2's convolution layers in place of attention.
         let conv = (c.short_conv_layer(layer)).map(|s| dims(s.kernel));
+        // Doge's attention without a gradient for its queries computes
+        // its scores whole, its dynamic mask with them: not counted.
+        let q_live = live || full || ranks.q > 0;
+        if c.family == Family::Doge && !q_live && ranks.k + ranks.v + ranks.dt > 0 {
+            return None;
+        }
         // ModernBERT-decoder's first layer attends to its input as it
         // is, without a norm.
         let first_bare = c.family == Family::ModernBertDecoder && layer == 0;
@@ -491,6 +499,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
             + (r.gate + r.up) * (h + i)
             + r.gate_up * (h + 2 * i)
             + r.down * (i + h)
+            + r.dt * (kv + dims(c.kv_heads))
     };
     // ModernBERT-decoder's dense layer before its head.
     let transform = match c.family == Family::ModernBertDecoder {
@@ -511,7 +520,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge and GPT-OSS";
 
 /// ModernBERT-decoder's dense layer before its head, by its checkpoint
 /// name (`lm_head.dense`: `all-linear` adapts it, the head being
@@ -700,6 +709,8 @@ fn counted(c: &LlamaConfig) -> bool {
         // CTRL's and GPT-NeoX-Japanese's LayerNorms and ungated MLPs.
         Family::Ctrl | Family::GptNeoxJapanese => true,
         Family::ModernBertDecoder => true,
+        // Doge's dynamic mask, its attention in blocks of queries.
+        Family::Doge => true,
         _ => false,
     }
 }
@@ -972,6 +983,8 @@ struct Ranks {
     kv_b: u64,
     /// LFM2's convolution's `in_proj`.
     conv_in: u64,
+    /// Doge's dynamic mask's `dt_proj`, which reads the values.
+    dt: u64,
     o: u64,
     gate: u64,
     up: u64,
@@ -982,7 +995,8 @@ struct Ranks {
 impl Ranks {
     /// Whether the layer has an adapter.
     fn any(&self) -> bool {
-        self.attention_input() + self.q_b + self.kv_b + self.o + self.mlp_input() + self.down > 0
+        let attention = self.attention_input() + self.q_b + self.kv_b + self.dt + self.o;
+        attention + self.mlp_input() + self.down > 0
     }
 
     /// The ranks of the adapters reading the attention's input.
@@ -1100,6 +1114,10 @@ impl Ranks {
         let (fused_qkv, fused_gate_up) = fused(c);
         let mut r = Self {
             o: rank(&format!("{attn}.{o}")),
+            dt: match c.family {
+                Family::Doge => rank(&format!("{attn}.dt_proj")),
+                _ => 0,
+            },
             down: rank(down),
             ..Self::default()
         };
@@ -1346,6 +1364,9 @@ struct Eager {
     seq: u64,
     capped: bool,
     sinks: bool,
+    /// Doge's bias on each key, `[rows, heads, 1, seq]`, which each
+    /// block keeps as an input.
+    dynamic: bool,
 }
 
 impl Widths {
@@ -1389,6 +1410,12 @@ impl Widths {
             differential: false,
             rows: 1,
         }
+    }
+
+    /// Whether the layer is Doge's: its dynamic mask on the keys, its
+    /// residuals weighted.
+    fn doge(&self) -> bool {
+        self.eager.is_some_and(|e| e.dynamic)
     }
 
     /// What a layer holds for `tokens` tokens: with `recompute` its
@@ -1486,16 +1513,25 @@ impl Widths {
             // head of their group, and the generator's state for each
             // block. The output is copied token by token for the output
             // projection.
-            Some(Eager { rows, seq, .. }) if q_live => {
+            Some(Eager {
+                rows, seq, dynamic, ..
+            }) if q_live => {
                 let (r, h, s) = (rows as i64, heads as i64, seq as i64);
                 let blocks = seq.div_ceil(super::eager_attention::block_rows(r, h, s) as u64);
-                (3 * b * q + o_kept as u64 * b * q, blocks * RNG_STATE_BYTES)
+                let bias = dynamic as u64 * b * heads;
+                (
+                    3 * b * q + o_kept as u64 * b * q + bias,
+                    blocks * RNG_STATE_BYTES,
+                )
             }
+            // (Doge's whole, its dynamic mask beside it, is not counted:
+            // `held_for_backward` gives up before.)
             Some(Eager {
                 rows,
                 seq,
                 capped,
                 sinks,
+                ..
             }) => {
                 // Whole: each product keeping what the other factor's
                 // gradient needs (the queries, the keys and values
@@ -1626,6 +1662,19 @@ impl Widths {
         let (token, forward) = self.attention((q_live, k_live, v_live), o_kept);
         per_token += token;
         per_forward += forward;
+        // Doge's bias on each key from its values: `dt_proj` keeps its
+        // input (the value heads side by side, a copy) where it trains
+        // or an adapter reads it; the softplus its input and the
+        // exponential its output where a gradient flows; the product with
+        // `A` the softplus's output where `A` trains.
+        if self.doge() {
+            let dt_live = v_live || full || r.dt > 0;
+            per_token += self.shares(full, &[r.dt]) as u64 * b * kv
+                + b * r.dt
+                + self.dropped(kv, &[r.dt], v_live)
+                + dt_live as u64 * 2 * b * kv_heads
+                + full as u64 * b * kv_heads;
+        }
         (per_token, per_position, per_forward, attended)
     }
 
@@ -1802,6 +1851,12 @@ impl Widths {
             per_forward += self.norm_weights(o_live);
         }
         let mid = live || o_live;
+        // Doge's residuals times weights of their own: where those train,
+        // each product keeps its residual, which in fp32 is the norm's
+        // input already.
+        if self.doge() && full && b != 4 {
+            per_token += 2 * b * h;
+        }
         if pre_norms && !parallel {
             per_token += self.norm(mid, full);
             per_forward += self.norm_weights(mid);

@@ -73,7 +73,7 @@ pub struct EstimateArgs {
     /// XGLM's, GPT-BigCode's, GPT-J's, CodeGen's, GPT-Neo's, MPT's,
     /// BLOOM's, OpenAI GPT's, CTRL's, GPT-NeoX-Japanese's,
     /// ModernBERT-decoder's, BitNet's trained unrounded, DiffLlama's,
-    /// GPT-OSS's).
+    /// Doge's, GPT-OSS's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -104,7 +104,8 @@ pub struct EstimateArgs {
     /// Falcon, OPT, BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo,
     /// MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder
     /// (its dense layer before the head too), BitNet trained unrounded,
-    /// DiffLlama and GPT-OSS (not on a mixture's router or experts,
+    /// DiffLlama, Doge (its `dt_proj` too, where each layer's queries
+    /// need a gradient) and GPT-OSS (not on a mixture's router or experts,
     /// shared or routed).
     #[arg(long)]
     lora_r: Option<i64>,

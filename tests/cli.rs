@@ -1486,7 +1486,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 12] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 14] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1640,6 +1640,31 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "6649286656 params",
                 "a forward of 1 x 2048 tokens in bf16 holds 8.29 GiB a rank",
+            ],
+        ),
+        // ModernBERT-decoder's 150M shape: its first layer attending
+        // without a norm, windows of 64 in two layers of three, the
+        // dense layer, activation and norm before its head.
+        (
+            "modernbert-decoder-150m",
+            r#"{"model_type": "modernbert-decoder", "vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22, "num_attention_heads": 12}"#,
+            "2",
+            "1024",
+            &[
+                "149655232 params",
+                "a forward of 1 x 1024 tokens in bf16 holds 434.22 MiB a rank",
+            ],
+        ),
+        // Doge's 320M shape: its attention in blocks of queries beside
+        // its dynamic mask, its residuals weighted.
+        (
+            "doge-320m",
+            r#"{"model_type": "doge", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 32, "num_attention_heads": 8}"#,
+            "2",
+            "2048",
+            &[
+                "403055872 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 3.46 GiB a rank",
             ],
         ),
     ];

@@ -246,7 +246,7 @@ pub fn held_for_backward(
     // adapter there alone makes the logits need a gradient.
     let transform = match c.family == Family::ModernBertDecoder {
         true => {
-            let r = lora.map_or(0, |l| rank_at(l, HEAD_TRANSFORM));
+            let r = lora.map_or(0, head_transform_rank);
             let (input_live, out_live) = (live || full, live || full || r > 0);
             let dense = w.shares(full, &[r]) as u64 * b * w.h + b * r;
             let dense = dense + w.dropped(w.h, &[r], input_live);
@@ -503,7 +503,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
     };
     // ModernBERT-decoder's dense layer before its head.
     let transform = match c.family == Family::ModernBertDecoder {
-        true => rank_at(lora, HEAD_TRANSFORM) * 2 * h,
+        true => head_transform_rank(lora) * 2 * h,
         false => 0,
     };
     Some(
@@ -522,10 +522,12 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 pub const COUNTED_FAMILIES: &str =
     "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge and GPT-OSS";
 
-/// ModernBERT-decoder's dense layer before its head, by its checkpoint
-/// name (`lm_head.dense`: `all-linear` adapts it, the head being
-/// `decoder`).
-const HEAD_TRANSFORM: &str = "lm_head.dense";
+/// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
+/// its head, by its checkpoint name under the model's transform
+/// (`lm_head.dense`: `all-linear` adapts it, the head being `decoder`).
+fn head_transform_rank(l: &LoraConfig) -> u64 {
+    rank_at(l, &format!("{}.dense", super::HEAD_TRANSFORM))
+}
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {

@@ -212,7 +212,11 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// activation and norm before its head, its dropouts off and on, tied;
 /// Doge's dynamic mask (each query keeping its 6 keys of highest bias,
 /// and all 24), its attention in blocks of queries, its weighted
-/// residuals, in a window, biased, tied, its dropout on.
+/// residuals, in a window, biased, tied, its dropout on; Mamba's
+/// selective scan, its sizes the defaults' and others (a narrower state,
+/// a wider step rank, a shorter convolution without a bias, biased
+/// projections, tied), and Falcon-Mamba's, each token's step, `B` and
+/// `C` RMS-normalised without weights.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -548,6 +552,16 @@ const COUNTED: &[(&str, &str)] = &[
         "doge",
         r#", "keep_window_size": 30, "sliding_window": 8, "attention_bias": true, "hidden_dropout": 0.1, "tie_word_embeddings": true"#,
     ),
+    ("mamba", r#", "intermediate_size": 128"#),
+    (
+        "mamba",
+        r#", "intermediate_size": 128, "state_size": 8, "time_step_rank": 8, "conv_kernel": 2, "use_bias": true, "use_conv_bias": false, "tie_word_embeddings": true"#,
+    ),
+    ("falcon_mamba", r#", "intermediate_size": 128"#),
+    (
+        "falcon_mamba",
+        r#", "intermediate_size": 128, "state_size": 8, "time_step_rank": 8, "mixer_rms_eps": 1e-3, "tie_word_embeddings": true"#,
+    ),
 ];
 
 #[test]
@@ -759,6 +773,27 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             dropped(0.1, &lora(&["q_proj", "v_proj", "dt_proj"])),
         ])
         .collect();
+    // Mamba's scan's projections each alone, beside another, on one
+    // layer, ranked by a pattern, under LoRA's dropout (`dt_proj`'s
+    // input a part of `x_proj`'s output).
+    let mamba_cases = [
+        lora(&["all-linear"]),
+        lora(&["in_proj"]),
+        lora(&["x_proj"]),
+        lora(&["dt_proj"]),
+        lora(&["out_proj"]),
+        lora(&["x_proj", "out_proj"]),
+        zrt::lora::LoraConfig {
+            layers_to_transform: vec![1],
+            ..lora(&["dt_proj", "in_proj"])
+        },
+        zrt::lora::LoraConfig {
+            rank_pattern: vec![("mixer.x_proj".into(), 3)],
+            ..lora(&["x_proj", "dt_proj"])
+        },
+        dropped(0.1, &lora(&["all-linear"])),
+        dropped(0.1, &lora(&["dt_proj", "out_proj"])),
+    ];
     // GPT-NeoX-Japanese's names are Persimmon's, its attention
     // `attention`.
     let neox_japanese_cases: Vec<_> = (persimmon_cases.iter().cloned())
@@ -923,6 +958,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "gpt_neox_japanese" => &neox_japanese_cases[..],
             "modernbert-decoder" => &modernbert_cases[..],
             "doge" => &doge_cases[..],
+            "mamba" | "falcon_mamba" => &mamba_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };
@@ -1284,14 +1320,20 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
 fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
-    // Other families' layers save other tensors (Jamba's scans, BitNet's
-    // rounding to ternary weights and 8-bit inputs); DeepSeek-V3's
+    // Other families' layers save other tensors (Jamba's weighted norms
+    // of its scans' steps, `B` and `C`, beside its attention and router;
+    // Mamba-2's chunked scan; BitNet's rounding to ternary weights and
+    // 8-bit inputs); DeepSeek-V3's
     // values wider than its queries and keys take the attention that
     // keeps every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
     let ternary = r#", "quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}"#;
     for (t, extra) in [
         ("jamba", ""),
+        (
+            "mamba2",
+            r#", "num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "chunk_size": 8"#,
+        ),
         ("deepseek_v3", wide_values),
         ("bitnet", ternary),
     ] {

@@ -39,6 +39,7 @@ use tch::Kind;
 
 use super::config::{Activation, LlamaConfig, Mla, MoeConfig};
 use super::family::Family;
+use super::mamba1::{Mamba1Config, StepNorms};
 use crate::lora::LoraConfig;
 use crate::zero::glue::keeps_logits;
 
@@ -123,7 +124,9 @@ pub fn held_for_backward(
         relu: c.activation == Activation::Relu,
         sub_norms: c.family == Family::Bitnet,
         differential: c.family == Family::DiffLlama,
+        mlp: !c.family.mamba_only(),
         rows,
+        seq,
         fp32_rope: c.family.olmo()
             || matches!(
                 c.family,
@@ -180,8 +183,13 @@ pub fn held_for_backward(
         // Layers without rotary embeddings (SmolLM3's and Llama 4's
         // some, OPT's all) keep no cos and sin.
         let turns = c.turns(layer);
-        // LFM2's convolution layers in place of attention.
-        let conv = (c.short_conv_layer(layer)).map(|s| dims(s.kernel));
+        // LFM2's convolution layers in place of attention, Mamba's
+        // scan.
+        let mixer = match (c.short_conv_layer(layer), c.mamba1_layer(layer)) {
+            (Some(s), _) => Some(Mixer::ShortConv(dims(s.kernel))),
+            (None, Some(m)) => Some(Mixer::Scan(Scan::of(m, c.hidden))),
+            (None, None) => None,
+        };
         // Doge's attention without a gradient for its queries computes
         // its scores whole, its dynamic mask with them: not counted.
         let q_live = live || full || ranks.q > 0;
@@ -195,7 +203,7 @@ pub fn held_for_backward(
             attention_norm: !first_bare,
             ..w
         }
-        .layer((live, full), &ranks, mixture, (turns, conv));
+        .layer((live, full), &ranks, mixture, (turns, mixer));
         // A window shorter than the row is a mask of a row's scores in
         // the compute dtype, one for every layer of the forward (the
         // soft-capped scores' is each layer's own, counted with them),
@@ -298,6 +306,7 @@ impl Alike {
         let w = Widths {
             b: bytes_of(kind)?,
             rows,
+            seq,
             attention_dropout: self.attention_dropout.then_some(seq),
             dropout: lora.is_some_and(|l| l.dropout > 0.0),
             ..self.widths
@@ -487,11 +496,23 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
         })
     };
     // LFM2's convolution layers: `in_proj` makes three widths of the
-    // input, `out_proj` reads one.
-    let per_layer = |r: &Ranks, conv: bool| {
-        let o = if conv { h } else { o };
+    // input, `out_proj` reads one. The Mamba scan's: `in_proj` makes
+    // the channels and their gate, `x_proj` each token's step, `B` and
+    // `C` from the channels, `dt_proj` the channels' steps, `out_proj`
+    // reads the channels.
+    let per_layer = |l: i64| {
+        let r = &Ranks::of(lora, l, c);
+        let (o, conv_in, steps) = match (c.short_conv_layer(l), c.mamba1_layer(l)) {
+            (Some(_), _) => (h, 3 * h, 0),
+            (None, Some(m)) => {
+                let s = Scan::of(m, c.hidden);
+                let select = r.select * (s.inner + s.rank + 2 * s.state);
+                (s.inner, 2 * s.inner, select + r.dt * (s.rank + s.inner))
+            }
+            (None, None) => (o, 0, r.dt * (kv + dims(c.kv_heads))),
+        };
         bottlenecks(r)
-            + r.conv_in * (h + 3 * h)
+            + r.conv_in * (h + conv_in)
             + r.q * (h + q)
             + (r.k + r.v) * (h + kv)
             + r.qkv * (h + q + 2 * kv)
@@ -499,19 +520,14 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
             + (r.gate + r.up) * (h + i)
             + r.gate_up * (h + 2 * i)
             + r.down * (i + h)
-            + r.dt * (kv + dims(c.kv_heads))
+            + steps
     };
     // ModernBERT-decoder's dense layer before its head.
     let transform = match c.family == Family::ModernBertDecoder {
         true => head_transform_rank(lora) * 2 * h,
         false => 0,
     };
-    Some(
-        (0..c.layers.max(0))
-            .map(|l| per_layer(&Ranks::of(lora, l, c), c.short_conv_layer(l).is_some()))
-            .sum::<u64>()
-            + transform,
-    )
+    Some((0..c.layers.max(0)).map(per_layer).sum::<u64>() + transform)
 }
 
 /// The families whose layers [`held_for_backward`] and
@@ -520,7 +536,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba and GPT-OSS";
 
 /// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
 /// its head, by its checkpoint name under the model's transform
@@ -713,6 +729,8 @@ fn counted(c: &LlamaConfig) -> bool {
         Family::ModernBertDecoder => true,
         // Doge's dynamic mask, its attention in blocks of queries.
         Family::Doge => true,
+        // The first Mamba's layers, a norm and the scan.
+        Family::Mamba | Family::FalconMamba => true,
         _ => false,
     }
 }
@@ -985,8 +1003,13 @@ struct Ranks {
     kv_b: u64,
     /// LFM2's convolution's `in_proj`.
     conv_in: u64,
-    /// Doge's dynamic mask's `dt_proj`, which reads the values.
+    /// Doge's dynamic mask's `dt_proj`, which reads the values; the
+    /// Mamba scan's, which reads a part of `x_proj`'s output.
     dt: u64,
+    /// The Mamba scan's `x_proj`, which reads the convolved channels
+    /// (its `in_proj` is [`Ranks::conv_in`], its `out_proj`
+    /// [`Ranks::o`]).
+    select: u64,
     o: u64,
     gate: u64,
     up: u64,
@@ -997,7 +1020,8 @@ struct Ranks {
 impl Ranks {
     /// Whether the layer has an adapter.
     fn any(&self) -> bool {
-        let attention = self.attention_input() + self.q_b + self.kv_b + self.dt + self.o;
+        let attention =
+            self.attention_input() + self.q_b + self.kv_b + self.dt + self.select + self.o;
         attention + self.mlp_input() + self.down > 0
     }
 
@@ -1129,6 +1153,21 @@ impl Ranks {
             _ if c.short_conv_layer(layer).is_some() => {
                 (r.conv_in, r.o) = (rank("conv.in_proj"), rank("conv.out_proj"))
             }
+            // The Mamba scan's (Jamba's under `mamba`, the Mambas' under
+            // `mixer`): `in_proj` reads the input.
+            _ if c.mamba1_layer(layer).is_some() => {
+                let mixer = match c.family.mamba_only() {
+                    true => "mixer",
+                    false => "mamba",
+                };
+                let rank = |m: &str| rank(&format!("{mixer}.{m}"));
+                (r.conv_in, r.select, r.dt, r.o) = (
+                    rank("in_proj"),
+                    rank("x_proj"),
+                    rank("dt_proj"),
+                    rank("out_proj"),
+                )
+            }
             _ if c.mla.is_some() => {
                 (r.q, r.q_a, r.q_b, r.kv_a, r.kv_b) = (
                     rank("self_attn.q_proj"),
@@ -1148,8 +1187,9 @@ impl Ranks {
             }
         }
         // A mixture's layer has no dense MLP (where its experts' names
-        // are a dense MLP's, as GPT-OSS's, they are none of its).
-        if c.moe_layer(layer) {
+        // are a dense MLP's, as GPT-OSS's, they are none of its), nor
+        // have the Mambas' layers.
+        if c.moe_layer(layer) || c.family.mamba_only() {
             r.down = 0;
             return r;
         }
@@ -1327,8 +1367,13 @@ struct Widths {
     /// keys and over values twice as wide, the heads' outputs combined
     /// in pairs and RMS-normalised ([`super::differential`]).
     differential: bool,
-    /// The rows of the forward.
+    /// An MLP after the layer's attention (or what mixes its tokens in
+    /// its place): all but the Mambas', whose layers are a norm and the
+    /// scan alone.
+    mlp: bool,
+    /// The rows of the forward, and each's tokens.
     rows: u64,
+    seq: u64,
 }
 
 /// The widths of DeepSeek-V3's latent attention ([`Mla`]).
@@ -1371,6 +1416,43 @@ struct Eager {
     dynamic: bool,
 }
 
+/// What mixes a layer's tokens in place of attention.
+#[derive(Clone, Copy)]
+enum Mixer {
+    /// LFM2's gated short convolution of this many tokens.
+    ShortConv(u64),
+    /// The first Mamba's selective scan.
+    Scan(Scan),
+}
+
+/// The widths of the first Mamba's selective scan ([`Mamba1Config`]).
+#[derive(Clone, Copy)]
+struct Scan {
+    /// The channels scanned.
+    inner: u64,
+    /// Each channel's state.
+    state: u64,
+    /// The width each token's step is projected through.
+    rank: u64,
+    /// The causal convolution's width.
+    kernel: u64,
+    /// Falcon-Mamba's RMS norms without weights of each token's step,
+    /// `B` and `C`.
+    normed: bool,
+}
+
+impl Scan {
+    fn of(m: &Mamba1Config, hidden: i64) -> Self {
+        Self {
+            inner: dims(m.inner(hidden)),
+            state: dims(m.state),
+            rank: dims(m.dt_rank),
+            kernel: dims(m.conv_kernel),
+            normed: matches!(m.step_norms, StepNorms::Plain(_)),
+        }
+    }
+}
+
 impl Widths {
     /// A layer of LayerNorms before attention and an ungated MLP, one
     /// after the other, and nothing else ([`Alike`]'s models set theirs
@@ -1410,7 +1492,9 @@ impl Widths {
             relu: false,
             sub_norms: false,
             differential: false,
+            mlp: true,
             rows: 1,
+            seq: 1,
         }
     }
 
@@ -1763,6 +1847,101 @@ impl Widths {
         (per_token, 0, per_forward, live)
     }
 
+    /// [`Widths::heads`] for the first Mamba's selective scan `s`
+    /// (`mamba1`, as `transformers`' `slow_forward` computes it), given
+    /// whether its input needs a gradient (`normed`), its base trains
+    /// (`full`), its adapters `r` (`in_proj`'s among the readers of its
+    /// input, counted by the layer) and whether the output projection
+    /// keeps its input (`o_kept`). Where a gradient flows through them:
+    /// `in_proj`'s output (its gate's activation keeps it, its channels a
+    /// view); the convolution's output, `kernel - 1` positions longer
+    /// than each row; the convolved channels' activation, which the skip
+    /// keeps where `D` trains and the scan's input product in fp32 (in 16
+    /// bits an fp32 copy); `x_proj`'s output (the steps' input, `B` and
+    /// `C` views of it; in 16 bits `B` an fp32 copy), the steps before
+    /// and after their softplus. The discretised `A` and `B x`, `[rows,
+    /// inner, seq, state]` in fp32, and every token's state after it (in
+    /// 16 bits its copy too, which reads `C`), are each four bytes a
+    /// channel a state a token, the scan's cost in memory; `A` once a
+    /// forward, twice where it trains, and the zero state it starts from.
+    /// Then the scan's output and the gate's activation, each the
+    /// other's factor. `x_proj` reads the channels laid out by channel:
+    /// where its weight trains, and for its adapter, a copy by token.
+    fn scan(
+        &self,
+        s: &Scan,
+        (normed, full): (bool, bool),
+        r: &Ranks,
+        o_kept: bool,
+    ) -> (u64, u64, u64, bool) {
+        let Self { b, rows, seq, .. } = *self;
+        let Scan {
+            inner: i,
+            state: n,
+            rank,
+            kernel,
+            normed: step_norms,
+        } = *s;
+        let wide = b != 4;
+        // Where a gradient flows: `in_proj`'s output and the channels;
+        // `x_proj`'s output; the steps (`dt_proj`'s), through which every
+        // later tensor needs one.
+        let projected = normed || full || r.conv_in > 0;
+        let selected = projected || r.select > 0;
+        let steps = selected || r.dt > 0;
+        let [p, sel, st] = [projected, selected, steps].map(u64::from);
+        // `in_proj`'s output, the convolution's, the scan's output; `B
+        // x`, which the channels' gradient reads.
+        let mut per_token = p * (4 * b * i + 4 * i * n);
+        // The steps before and after their softplus (the steps after it
+        // where `A` trains or `B` needs a gradient), the gate's
+        // activation; the discretised `A`.
+        per_token += st * (2 * b * i + 4 * i * n);
+        per_token += u64::from(full || selected) * b * i;
+        // `x_proj`'s output: the steps' input, `B` and `C` are views of
+        // it. Falcon-Mamba's norms of them (RMS without weights, in
+        // fp32) read it in its place: where they need a gradient, their
+        // fp32 input (in fp32 the output itself) and a reciprocal each;
+        // then the steps' norm where `dt_proj` keeps it as it is, `B`'s
+        // in fp32 (in 16 bits its fp32 copy, below, instead) and `C`'s.
+        let selection = b * (rank + 2 * n);
+        per_token += match step_norms {
+            false => st * selection,
+            true => {
+                let own = u64::from(self.shares(full, &[r.dt])) * b * rank;
+                sel * (12 + u64::from(wide) * 4 * (rank + 2 * n) + u64::from(!wide) * selection)
+                    + own
+                    + st * b * n * (1 + u64::from(!wide))
+            }
+        };
+        // The channels: the skip keeps them where `D` trains, the scan's
+        // input product for `B x`'s gradient (in 16 bits an fp32 copy,
+        // with one of `B`); in 16 bits each state's copy, which reads
+        // `C`.
+        per_token += u64::from(full || (!wide && steps)) * b * i;
+        per_token += u64::from(wide && steps) * 4 * (i + n);
+        per_token += u64::from(wide && selected) * b * i * n;
+        // `x_proj`'s copy by token where its weight trains, and its
+        // adapter's (under LoRA's dropout, its dropped copy, laid out
+        // by channel as the channels are, copied by token again, and
+        // its mask); `dt_proj`'s adapter reads a view of `x_proj`'s
+        // output (under LoRA's dropout, its own dropped copy).
+        let adapted = u64::from(r.select > 0 && !self.dropout);
+        per_token += (u64::from(full) + adapted) * b * i + self.dropped(i, &[r.select], projected);
+        per_token += b * (r.select + r.dt) + self.dropped(rank, &[r.dt], selected);
+        per_token += u64::from(o_kept) * b * i;
+        // Once a forward: the convolution's output's longer rows, `A`
+        // (and its exponential where it trains), the zero state the
+        // scan starts from and each state after a token, in fp32, but
+        // the last, which is kept only for `C`'s gradient, and in 16
+        // bits not even then (its copy is).
+        let mut per_forward = p * rows * kernel.saturating_sub(1) * b * i;
+        per_forward += (st + u64::from(full)) * 4 * i * n + st * rows * i * n * b;
+        per_forward += st * rows * seq.saturating_sub(1) * 4 * i * n;
+        per_forward += u64::from(!wide && selected) * rows * 4 * i * n;
+        (per_token, 0, per_forward, steps)
+    }
+
     /// What a layer keeps per token, per position (the rotary
     /// embedding's cos and sin, shared by the rows) and once, and
     /// whether its output needs a gradient; `live`: whether its input
@@ -1777,7 +1956,7 @@ impl Widths {
         (live, full): (bool, bool),
         r: &Ranks,
         experts: Option<&Experts>,
-        (turns, conv): (bool, Option<u64>),
+        (turns, mixer): (bool, Option<Mixer>),
     ) -> (u64, u64, u64, bool) {
         let Self {
             b,
@@ -1812,8 +1991,9 @@ impl Widths {
         // BitNet's sub norm reads the attention's output in its place,
         // DiffLlama's combination of the heads' outputs.
         let o_reads = o_kept && !self.sub_norms && !self.differential;
-        let (token, per_position, forward, attended) = match (&self.latent, conv) {
-            (_, Some(kernel)) => self.conv(kernel, (normed, full), r, o_reads),
+        let (token, per_position, forward, attended) = match (&self.latent, mixer) {
+            (_, Some(Mixer::ShortConv(kernel))) => self.conv(kernel, (normed, full), r, o_reads),
+            (_, Some(Mixer::Scan(s))) => self.scan(&s, (normed, full), r, o_reads),
             (Some(m), None) => self.latent(m, (normed, full), r, (o_reads, turns)),
             (None, None) => self.heads((normed, full), r, o_reads, turns),
         };
@@ -1840,8 +2020,9 @@ impl Widths {
                 + full as u64 * b * q
                 + o_kept as u64 * b * q;
         }
-        let o_width = match conv {
-            Some(_) => self.h,
+        let o_width = match mixer {
+            Some(Mixer::ShortConv(_)) => self.h,
+            Some(Mixer::Scan(s)) => s.inner,
             None => self.latent.map_or(self.q, |m| self.heads * m.v),
         };
         per_token += b * r.o + self.dropped(o_width, &[r.o], attended);
@@ -1853,6 +2034,10 @@ impl Widths {
             per_forward += self.norm_weights(o_live);
         }
         let mid = live || o_live;
+        // The Mambas' layers end with the scan's output added.
+        if !self.mlp {
+            return (per_token, per_position, per_forward, mid);
+        }
         // Doge's residuals times weights of their own: where those train,
         // each product keeps its residual, which in fp32 is the norm's
         // input already.

@@ -216,7 +216,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// selective scan, its sizes the defaults' and others (a narrower state,
 /// a wider step rank, a shorter convolution without a bias, biased
 /// projections, tied), and Falcon-Mamba's, each token's step, `B` and
-/// `C` RMS-normalised without weights.
+/// `C` RMS-normalised without weights; Jamba's, those norms weighted,
+/// beside a layer attending without positions (the first, or the
+/// last), its MLPs dense, and experts (two of four a token, their
+/// weights not renormalised) every other layer.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -562,6 +565,14 @@ const COUNTED: &[(&str, &str)] = &[
         "falcon_mamba",
         r#", "intermediate_size": 128, "state_size": 8, "time_step_rank": 8, "mixer_rms_eps": 1e-3, "tie_word_embeddings": true"#,
     ),
+    (
+        "jamba",
+        r#", "num_experts": 1, "attn_layer_period": 3, "attn_layer_offset": 0, "mamba_d_state": 16"#,
+    ),
+    (
+        "jamba",
+        r#", "num_experts": 4, "num_experts_per_tok": 2, "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 3, "attn_layer_offset": 2, "mamba_d_state": 8, "mamba_dt_rank": 8, "mamba_d_conv": 3, "mamba_proj_bias": true"#,
+    ),
 ];
 
 #[test]
@@ -794,6 +805,20 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         dropped(0.1, &lora(&["all-linear"])),
         dropped(0.1, &lora(&["dt_proj", "out_proj"])),
     ];
+    // Jamba's: its scan's, its attention's, its MLP's (under
+    // `feed_forward`, and its experts' and router, not counted).
+    let jamba_cases: Vec<_> = (mamba_cases.iter().cloned())
+        .chain([
+            lora(&["q_proj", "v_proj", "o_proj", "gate_proj"]),
+            lora(&["x_proj", "down_proj"]),
+            lora(&["router", "in_proj"]),
+            zrt::lora::LoraConfig {
+                rank_pattern: vec![("feed_forward.up_proj".into(), 3)],
+                ..lora(&["up_proj", "k_proj", "dt_proj"])
+            },
+            dropped(0.1, &lora(&["in_proj", "k_proj", "up_proj"])),
+        ])
+        .collect();
     // GPT-NeoX-Japanese's names are Persimmon's, its attention
     // `attention`.
     let neox_japanese_cases: Vec<_> = (persimmon_cases.iter().cloned())
@@ -959,6 +984,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "modernbert-decoder" => &modernbert_cases[..],
             "doge" => &doge_cases[..],
             "mamba" | "falcon_mamba" => &mamba_cases[..],
+            "jamba" => &jamba_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };
@@ -986,6 +1012,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                             || n.contains(".gate.wg.")
                             || n.contains(".shared_mlp.")
                             || n.contains("_moe.gate.")
+                            || n.contains(".feed_forward.router.")
                             || n.contains("mlp.gate.lora")
                     });
                     if on_experts {
@@ -1320,16 +1347,14 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
 fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
-    // Other families' layers save other tensors (Jamba's weighted norms
-    // of its scans' steps, `B` and `C`, beside its attention and router;
-    // Mamba-2's chunked scan; BitNet's rounding to ternary weights and
-    // 8-bit inputs); DeepSeek-V3's
+    // Other families' layers save other tensors (Mamba-2's chunked
+    // scan; BitNet's rounding to ternary weights and 8-bit inputs);
+    // DeepSeek-V3's
     // values wider than its queries and keys take the attention that
     // keeps every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
     let ternary = r#", "quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}"#;
     for (t, extra) in [
-        ("jamba", ""),
         (
             "mamba2",
             r#", "num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "chunk_size": 8"#,

@@ -536,7 +536,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba and GPT-OSS";
 
 /// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
 /// its head, by its checkpoint name under the model's transform
@@ -729,8 +729,9 @@ fn counted(c: &LlamaConfig) -> bool {
         Family::ModernBertDecoder => true,
         // Doge's dynamic mask, its attention in blocks of queries.
         Family::Doge => true,
-        // The first Mamba's layers, a norm and the scan.
-        Family::Mamba | Family::FalconMamba => true,
+        // The first Mamba's layers, a norm and the scan; Jamba's beside
+        // its attention, each with an MLP or experts.
+        Family::Mamba | Family::FalconMamba | Family::Jamba => true,
         _ => false,
     }
 }
@@ -793,6 +794,7 @@ impl Experts {
                 | Family::FlexOlmo
                 | Family::GraniteMoe
                 | Family::Dbrx
+                | Family::Jamba
         ) && m.shared.is_none();
         // ERNIE 4.5's router chooses by its scores and a fixed
         // correction, and keeps what a plain one does: the choices, as
@@ -954,6 +956,7 @@ impl MoeModules {
                 ("feed_forward.shared_expert", GATED),
             ),
             Family::GraniteMoe => ("block_sparse_moe", &["router.layer"][..], &[][..], NONE),
+            Family::Jamba => ("feed_forward", &["router"][..], GATED, NONE),
             Family::Dbrx => ("ffn", &["router.layer"][..], &[][..], NONE),
             // Granite-MoE-shared's shared MLP is the layer's own.
             Family::GraniteMoeShared => (
@@ -1061,7 +1064,7 @@ impl Ranks {
         let [model, _, blocks, _] = c.family.names();
         let rank = |module: &str| rank_at(l, &format!("{model}.{blocks}.{layer}.{module}"));
         // StarCoder2's MLP under GPT-2's names, Persimmon's layer under
-        // GPT-NeoX's, Llama 4's MLP under `feed_forward`, LFM2's too
+        // GPT-NeoX's, Llama 4's and Jamba's MLP under `feed_forward`, LFM2's too
         // under Llama's original names, OPT's under fairseq's.
         let (qkv, o, gate, up, down) = match c.family {
             f if f.fairseq() => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
@@ -1079,7 +1082,7 @@ impl Ranks {
                 "mlp.dense_h_to_4h",
                 "mlp.dense_4h_to_h",
             ),
-            Family::Llama4 => (
+            Family::Llama4 | Family::Jamba => (
                 "qkv_proj",
                 "o_proj",
                 "feed_forward.gate_proj",
@@ -1437,8 +1440,9 @@ struct Scan {
     /// The causal convolution's width.
     kernel: u64,
     /// Falcon-Mamba's RMS norms without weights of each token's step,
-    /// `B` and `C`.
+    /// `B` and `C`, or Jamba's with (`weighted`).
     normed: bool,
+    weighted: bool,
 }
 
 impl Scan {
@@ -1448,7 +1452,8 @@ impl Scan {
             state: dims(m.state),
             rank: dims(m.dt_rank),
             kernel: dims(m.conv_kernel),
-            normed: matches!(m.step_norms, StepNorms::Plain(_)),
+            normed: m.step_norms != StepNorms::None,
+            weighted: m.step_norms == StepNorms::Weighted,
         }
     }
 }
@@ -1881,6 +1886,7 @@ impl Widths {
             rank,
             kernel,
             normed: step_norms,
+            weighted,
         } = *s;
         let wide = b != 4;
         // Where a gradient flows: `in_proj`'s output and the channels;
@@ -1899,11 +1905,13 @@ impl Widths {
         per_token += st * (2 * b * i + 4 * i * n);
         per_token += u64::from(full || selected) * b * i;
         // `x_proj`'s output: the steps' input, `B` and `C` are views of
-        // it. Falcon-Mamba's norms of them (RMS without weights, in
-        // fp32) read it in its place: where they need a gradient, their
-        // fp32 input (in fp32 the output itself) and a reciprocal each;
-        // then the steps' norm where `dt_proj` keeps it as it is, `B`'s
-        // in fp32 (in 16 bits its fp32 copy, below, instead) and `C`'s.
+        // it. Falcon-Mamba's and Jamba's norms of them (RMS, in fp32)
+        // read it in its place: where they need a gradient, their fp32
+        // input (in fp32 the output itself) and a reciprocal each; where
+        // Jamba's weights train, the normalized values they multiply, in
+        // the compute dtype; then the steps' norm where `dt_proj` keeps
+        // it as it is, `B`'s in fp32 (in 16 bits its fp32 copy, below,
+        // instead) and `C`'s.
         let selection = b * (rank + 2 * n);
         per_token += match step_norms {
             false => st * selection,
@@ -1911,6 +1919,7 @@ impl Widths {
                 let own = u64::from(self.shares(full, &[r.dt])) * b * rank;
                 sel * (12 + u64::from(wide) * 4 * (rank + 2 * n) + u64::from(!wide) * selection)
                     + own
+                    + u64::from(weighted && full) * selection
                     + st * b * n * (1 + u64::from(!wide))
             }
         };

@@ -219,7 +219,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// `C` RMS-normalised without weights; Jamba's, those norms weighted,
 /// beside a layer attending without positions (the first, or the
 /// last), its MLPs dense, and experts (two of four a token, their
-/// weights not renormalised) every other layer.
+/// weights not renormalised) every other layer; Mamba-2's chunked scan,
+/// its rows whole chunks and padded to them, its `B` and `C` in groups
+/// of heads and one for all.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -573,6 +575,14 @@ const COUNTED: &[(&str, &str)] = &[
         "jamba",
         r#", "num_experts": 4, "num_experts_per_tok": 2, "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 3, "attn_layer_offset": 2, "mamba_d_state": 8, "mamba_dt_rank": 8, "mamba_d_conv": 3, "mamba_proj_bias": true"#,
     ),
+    (
+        "mamba2",
+        r#", "num_heads": 8, "head_dim": 16, "state_size": 12, "n_groups": 2, "chunk_size": 8"#,
+    ),
+    (
+        "mamba2",
+        r#", "num_heads": 4, "head_dim": 32, "state_size": 16, "n_groups": 1, "chunk_size": 10, "conv_kernel": 3, "use_bias": true, "use_conv_bias": false, "tie_word_embeddings": true"#,
+    ),
 ];
 
 #[test]
@@ -805,6 +815,19 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         dropped(0.1, &lora(&["all-linear"])),
         dropped(0.1, &lora(&["dt_proj", "out_proj"])),
     ];
+    // Mamba-2's `in_proj` and `out_proj`, alone, together, on one layer,
+    // under LoRA's dropout.
+    let mamba2_cases = [
+        lora(&["all-linear"]),
+        lora(&["in_proj"]),
+        lora(&["out_proj"]),
+        zrt::lora::LoraConfig {
+            layers_to_transform: vec![1],
+            ..lora(&["in_proj", "out_proj"])
+        },
+        dropped(0.1, &lora(&["in_proj", "out_proj"])),
+        dropped(0.1, &lora(&["out_proj"])),
+    ];
     // Jamba's: its scan's, its attention's, its MLP's (under
     // `feed_forward`, and its experts' and router, not counted).
     let jamba_cases: Vec<_> = (mamba_cases.iter().cloned())
@@ -985,6 +1008,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "doge" => &doge_cases[..],
             "mamba" | "falcon_mamba" => &mamba_cases[..],
             "jamba" => &jamba_cases[..],
+            "mamba2" => &mamba2_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };
@@ -1347,9 +1371,10 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
 fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
-    // Other families' layers save other tensors (Mamba-2's chunked
-    // scan; BitNet's rounding to ternary weights and 8-bit inputs);
-    // DeepSeek-V3's
+    // Other families' layers save other tensors (Mamba-2's chunked scan
+    // over a row within one chunk, where libtorch's einsum keeps views
+    // in place of copies; BitNet's rounding to ternary weights and 8-bit
+    // inputs); DeepSeek-V3's
     // values wider than its queries and keys take the attention that
     // keeps every score.
     let wide_values = r#", "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 20"#;
@@ -1357,7 +1382,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     for (t, extra) in [
         (
             "mamba2",
-            r#", "num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "chunk_size": 8"#,
+            r#", "num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "chunk_size": 24"#,
         ),
         ("deepseek_v3", wide_values),
         ("bitnet", ternary),

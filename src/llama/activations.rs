@@ -39,6 +39,7 @@ use tch::Kind;
 
 use super::config::{Activation, LlamaConfig, Mla, MoeConfig};
 use super::family::Family;
+use super::mamba::{MambaConfig, MambaGate};
 use super::mamba1::{Mamba1Config, StepNorms};
 use crate::lora::LoraConfig;
 use crate::zero::glue::keeps_logits;
@@ -188,7 +189,10 @@ pub fn held_for_backward(
         let mixer = match (c.short_conv_layer(layer), c.mamba1_layer(layer)) {
             (Some(s), _) => Some(Mixer::ShortConv(dims(s.kernel))),
             (None, Some(m)) => Some(Mixer::Scan(Scan::of(m, c.hidden))),
-            (None, None) => None,
+            (None, None) => match c.mamba_layer(layer) {
+                Some(m) => Some(Mixer::Ssd(Ssd::of(m, c.hidden, seq)?)),
+                None => None,
+            },
         };
         // Doge's attention without a gradient for its queries computes
         // its scores whole, its dynamic mask with them: not counted.
@@ -504,12 +508,15 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
         let r = &Ranks::of(lora, l, c);
         let (o, conv_in, steps) = match (c.short_conv_layer(l), c.mamba1_layer(l)) {
             (Some(_), _) => (h, 3 * h, 0),
+            (None, None) => match c.mamba_layer(l) {
+                Some(m) => (dims(m.inner(c.hidden)), dims(m.projected(c.hidden)), 0),
+                None => (o, 0, r.dt * (kv + dims(c.kv_heads))),
+            },
             (None, Some(m)) => {
                 let s = Scan::of(m, c.hidden);
                 let select = r.select * (s.inner + s.rank + 2 * s.state);
                 (s.inner, 2 * s.inner, select + r.dt * (s.rank + s.inner))
             }
-            (None, None) => (o, 0, r.dt * (kv + dims(c.kv_heads))),
         };
         bottlenecks(r)
             + r.conv_in * (h + conv_in)
@@ -536,7 +543,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2 (rows longer than a chunk) and GPT-OSS";
 
 /// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
 /// its head, by its checkpoint name under the model's transform
@@ -732,6 +739,8 @@ fn counted(c: &LlamaConfig) -> bool {
         // The first Mamba's layers, a norm and the scan; Jamba's beside
         // its attention, each with an MLP or experts.
         Family::Mamba | Family::FalconMamba | Family::Jamba => true,
+        // Mamba-2's chunked scan, its output normalised after the gate.
+        Family::Mamba2 => true,
         _ => false,
     }
 }
@@ -1156,6 +1165,16 @@ impl Ranks {
             _ if c.short_conv_layer(layer).is_some() => {
                 (r.conv_in, r.o) = (rank("conv.in_proj"), rank("conv.out_proj"))
             }
+            // Mamba-2's (Granite 4.0's and Bamba's under `mamba`,
+            // Mamba-2's under `mixer`): `in_proj` reads the input.
+            _ if c.mamba_layer(layer).is_some() => {
+                let mixer = match c.family.mamba_only() {
+                    true => "mixer",
+                    false => "mamba",
+                };
+                let rank = |m: &str| rank(&format!("{mixer}.{m}"));
+                (r.conv_in, r.o) = (rank("in_proj"), rank("out_proj"))
+            }
             // The Mamba scan's (Jamba's under `mamba`, the Mambas' under
             // `mixer`): `in_proj` reads the input.
             _ if c.mamba1_layer(layer).is_some() => {
@@ -1426,6 +1445,48 @@ enum Mixer {
     ShortConv(u64),
     /// The first Mamba's selective scan.
     Scan(Scan),
+    /// Mamba-2's chunked scan.
+    Ssd(Ssd),
+}
+
+/// The widths of Mamba-2's chunked scan ([`MambaConfig`]), its output
+/// RMS-normalised after the gate (`NormedAfter`).
+#[derive(Clone, Copy)]
+struct Ssd {
+    /// The channels scanned, `heads` of them a head.
+    inner: u64,
+    heads: u64,
+    /// The convolution's channels: the inner width and `B` and `C`.
+    channels: u64,
+    /// Each channel's state.
+    state: u64,
+    /// The scan's chunk of tokens.
+    chunk: u64,
+    /// The causal convolution's width.
+    kernel: u64,
+}
+
+impl Ssd {
+    /// `m`'s, in a model `hidden` wide, over rows of `seq` tokens;
+    /// `None` for a gate other than Mamba-2's own (Falcon-H1's and
+    /// Zamba2's group the norm or have none), and for a row within one
+    /// chunk, one head or a state of one (libtorch's einsum keeps views
+    /// of its operands there, where it keeps copies otherwise).
+    fn of(m: &MambaConfig, hidden: i64, seq: u64) -> Option<Self> {
+        let inner = m.inner(hidden);
+        let countable = m.gate == MambaGate::NormedAfter
+            && m.heads > 1
+            && m.state > 1
+            && seq.div_ceil(dims(m.chunk).max(1)) > 1;
+        countable.then(|| Self {
+            inner: dims(inner),
+            heads: dims(m.heads),
+            channels: dims(inner + 2 * m.groups * m.state),
+            state: dims(m.state),
+            chunk: dims(m.chunk).max(1),
+            kernel: dims(m.conv_kernel),
+        })
+    }
 }
 
 /// The widths of the first Mamba's selective scan ([`Mamba1Config`]).
@@ -1951,6 +2012,68 @@ impl Widths {
         (per_token, 0, per_forward, steps)
     }
 
+    /// [`Widths::heads`] for Mamba-2's chunked scan `s` (`mamba`,
+    /// `transformers`' `torch_forward`), given whether its input needs a
+    /// gradient (`normed`), its base trains (`full`) and whether the
+    /// output projection keeps its input (`o_kept`). Where a gradient
+    /// flows through the scan (its input needs one, its base trains or
+    /// `in_proj` has an adapter) everything after `in_proj` needs one,
+    /// and it keeps: `in_proj`'s output (the convolution's input, a view
+    /// of it), the convolution's output, `kernel - 1` positions longer
+    /// than each row, and its activation's (in 16 bits the channels' fp32
+    /// copy and the gate's instead); the steps before, within and after
+    /// their softplus; then, over each row padded to whole chunks, in
+    /// fp32, each chunk's decays between its tokens, the products of
+    /// its `C` and `B` and the two times its channels (`12 heads chunk`
+    /// bytes a token, the scan's share that grows with the chunk), five
+    /// copies of `B` or `C` a head, three of the channels (the einsum's
+    /// operands and the products it keeps), two decays a head, and the
+    /// scan's output; the gate's activation, the gated output and a
+    /// reciprocal; and once a forward each chunk's states as two einsums
+    /// keep them, the decays between chunks, `A` and the masks of the
+    /// segment sums. Where the base trains: the padded channels `D`
+    /// multiplies, the normalized values the norm's weights multiply (in
+    /// fp32, the scan's dtype, as `transformers`' norm takes it; the
+    /// output projection reads their product cast), `A_log`'s
+    /// exponential.
+    fn ssd(
+        &self,
+        s: &Ssd,
+        (normed, full): (bool, bool),
+        r: &Ranks,
+        o_kept: bool,
+    ) -> (u64, u64, u64, bool) {
+        let Self { b, rows, seq, .. } = *self;
+        let Ssd {
+            inner: i,
+            heads,
+            channels: c,
+            state: n,
+            chunk,
+            kernel,
+        } = *s;
+        let live = normed || full || r.conv_in > 0;
+        let [lv, f] = [live, full].map(u64::from);
+        let own = match b == 4 {
+            true => 4 * c,
+            false => 8 * i,
+        };
+        let per_token = lv * (b * (i + 2 * c + 4 * heads) + own + 8 * i + 4)
+            + f * 4 * i
+            + u64::from(o_kept) * b * i;
+        let chunks = seq.div_ceil(chunk);
+        let per_padded =
+            lv * (12 * heads * chunk + 20 * heads * n + 16 * i + 8 * heads) + f * 4 * i;
+        let between = (chunks + 1) * (chunks + 1);
+        let per_forward = rows * chunks * chunk * per_padded
+            + lv * (rows * kernel.saturating_sub(1) * b * c
+                + 2 * (chunk * chunk + between)
+                + 4 * rows * (heads * between + (2 * chunks + 1) * i * n)
+                + 4 * heads)
+            + f * 4 * heads;
+        (per_token, 0, per_forward, live)
+    }
+
     /// What a layer keeps per token, per position (the rotary
     /// embedding's cos and sin, shared by the rows) and once, and
     /// whether its output needs a gradient; `live`: whether its input
@@ -2003,6 +2126,7 @@ impl Widths {
         let (token, per_position, forward, attended) = match (&self.latent, mixer) {
             (_, Some(Mixer::ShortConv(kernel))) => self.conv(kernel, (normed, full), r, o_reads),
             (_, Some(Mixer::Scan(s))) => self.scan(&s, (normed, full), r, o_reads),
+            (_, Some(Mixer::Ssd(s))) => self.ssd(&s, (normed, full), r, o_reads),
             (Some(m), None) => self.latent(m, (normed, full), r, (o_reads, turns)),
             (None, None) => self.heads((normed, full), r, o_reads, turns),
         };
@@ -2032,6 +2156,7 @@ impl Widths {
         let o_width = match mixer {
             Some(Mixer::ShortConv(_)) => self.h,
             Some(Mixer::Scan(s)) => s.inner,
+            Some(Mixer::Ssd(s)) => s.inner,
             None => self.latent.map_or(self.q, |m| self.heads * m.v),
         };
         per_token += b * r.o + self.dropped(o_width, &[r.o], attended);

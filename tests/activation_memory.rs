@@ -221,7 +221,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// last), its MLPs dense, and experts (two of four a token, their
 /// weights not renormalised) every other layer; Mamba-2's chunked scan,
 /// its rows whole chunks and padded to them, its `B` and `C` in groups
-/// of heads and one for all.
+/// of heads and one for all; Bamba's beside an attending layer and
+/// its MLPs, and Granite 4.0's beside one, its shared MLP alone and
+/// beside experts.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -583,6 +585,18 @@ const COUNTED: &[(&str, &str)] = &[
         "mamba2",
         r#", "num_heads": 4, "head_dim": 32, "state_size": 16, "n_groups": 1, "chunk_size": 10, "conv_kernel": 3, "use_bias": true, "use_conv_bias": false, "tie_word_embeddings": true"#,
     ),
+    (
+        "bamba",
+        r#", "attn_layer_indices": [2], "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 12, "mamba_n_groups": 2, "mamba_chunk_size": 8"#,
+    ),
+    (
+        "granitemoehybrid",
+        r#", "layer_types": ["mamba", "mamba", "attention"], "num_local_experts": 0, "shared_intermediate_size": 176, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 12, "mamba_n_groups": 2, "mamba_chunk_size": 8"#,
+    ),
+    (
+        "granitemoehybrid",
+        r#", "layer_types": ["attention", "mamba", "mamba"], "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 96, "intermediate_size": 48, "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_chunk_size": 16, "position_embedding_type": "rope""#,
+    ),
 ];
 
 #[test]
@@ -828,6 +842,25 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         dropped(0.1, &lora(&["in_proj", "out_proj"])),
         dropped(0.1, &lora(&["out_proj"])),
     ];
+    // Bamba's: its scan's, its attention's, its MLP's (under
+    // `feed_forward`); Granite 4.0's shared MLP's (`input_linear`,
+    // `output_linear`, counted where there are no experts).
+    let mamba2_hybrid_cases: Vec<_> = (mamba2_cases.iter().cloned())
+        .chain([
+            lora(&["q_proj", "v_proj", "gate_proj", "down_proj"]),
+            lora(&["input_linear", "in_proj"]),
+            lora(&["output_linear", "k_proj"]),
+            zrt::lora::LoraConfig {
+                rank_pattern: vec![("feed_forward.up_proj".into(), 3)],
+                ..lora(&["up_proj", "o_proj", "out_proj"])
+            },
+            dropped(
+                0.1,
+                &lora(&["in_proj", "k_proj", "input_linear", "up_proj"]),
+            ),
+            on_shared.clone(),
+        ])
+        .collect();
     // Jamba's: its scan's, its attention's, its MLP's (under
     // `feed_forward`, and its experts' and router, not counted).
     let jamba_cases: Vec<_> = (mamba_cases.iter().cloned())
@@ -1009,6 +1042,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "mamba" | "falcon_mamba" => &mamba_cases[..],
             "jamba" => &jamba_cases[..],
             "mamba2" => &mamba2_cases[..],
+            "bamba" | "granitemoehybrid" => &mamba2_hybrid_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
             _ => &cases[..],
         };
@@ -1034,7 +1068,9 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                             || n.contains(".shared_expert")
                             || n.contains(".router.layer.")
                             || n.contains(".gate.wg.")
-                            || n.contains(".shared_mlp.")
+                            // (Granite 4.0's dense layers' MLP is their
+                            // shared MLP.)
+                            || (n.contains(".shared_mlp.") && c.moe.is_some())
                             || n.contains("_moe.gate.")
                             || n.contains(".feed_forward.router.")
                             || n.contains("mlp.gate.lora")

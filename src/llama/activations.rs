@@ -543,7 +543,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2 (rows longer than a chunk) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba and Granite 4.0 (rows longer than a chunk) and GPT-OSS";
 
 /// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
 /// its head, by its checkpoint name under the model's transform
@@ -739,8 +739,10 @@ fn counted(c: &LlamaConfig) -> bool {
         // The first Mamba's layers, a norm and the scan; Jamba's beside
         // its attention, each with an MLP or experts.
         Family::Mamba | Family::FalconMamba | Family::Jamba => true,
-        // Mamba-2's chunked scan, its output normalised after the gate.
-        Family::Mamba2 => true,
+        // Mamba-2's chunked scan, its output normalised after the gate,
+        // alone, beside Bamba's attention and MLPs, and beside Granite
+        // 4.0's attention and its shared MLP, with experts or without.
+        Family::Mamba2 | Family::Bamba | Family::GraniteMoeHybrid => true,
         _ => false,
     }
 }
@@ -816,6 +818,7 @@ impl Experts {
                     | Family::HunyuanMoe
                     | Family::Llama4
                     | Family::GraniteMoeShared
+                    | Family::GraniteMoeHybrid
             ))
             && m.grouped.is_none();
         let grouped = matches!(
@@ -967,8 +970,9 @@ impl MoeModules {
             Family::GraniteMoe => ("block_sparse_moe", &["router.layer"][..], &[][..], NONE),
             Family::Jamba => ("feed_forward", &["router"][..], GATED, NONE),
             Family::Dbrx => ("ffn", &["router.layer"][..], &[][..], NONE),
-            // Granite-MoE-shared's shared MLP is the layer's own.
-            Family::GraniteMoeShared => (
+            // Granite-MoE-shared's shared MLP is the layer's own (Granite
+            // 4.0's too).
+            Family::GraniteMoeShared | Family::GraniteMoeHybrid => (
                 "block_sparse_moe",
                 &["router.layer"][..],
                 &[][..],
@@ -1073,7 +1077,8 @@ impl Ranks {
         let [model, _, blocks, _] = c.family.names();
         let rank = |module: &str| rank_at(l, &format!("{model}.{blocks}.{layer}.{module}"));
         // StarCoder2's MLP under GPT-2's names, Persimmon's layer under
-        // GPT-NeoX's, Llama 4's and Jamba's MLP under `feed_forward`, LFM2's too
+        // GPT-NeoX's, Llama 4's, Jamba's and Bamba's MLP under
+        // `feed_forward`, LFM2's too
         // under Llama's original names, OPT's under fairseq's.
         let (qkv, o, gate, up, down) = match c.family {
             f if f.fairseq() => ("qkv_proj", "out_proj", "", "fc1", "fc2"),
@@ -1091,7 +1096,7 @@ impl Ranks {
                 "mlp.dense_h_to_4h",
                 "mlp.dense_4h_to_h",
             ),
-            Family::Llama4 | Family::Jamba => (
+            Family::Llama4 | Family::Jamba | Family::Bamba => (
                 "qkv_proj",
                 "o_proj",
                 "feed_forward.gate_proj",
@@ -1216,6 +1221,13 @@ impl Ranks {
             return r;
         }
         match (fused_gate_up, gated(c)) {
+            // Granite 4.0's dense layers' MLP is its shared MLP alone.
+            _ if c.family == Family::GraniteMoeHybrid => {
+                (r.gate_up, r.down) = (
+                    rank("shared_mlp.input_linear"),
+                    rank("shared_mlp.output_linear"),
+                )
+            }
             (true, _) if c.family == Family::ModernBertDecoder => r.gate_up = rank(up),
             (true, _) => r.gate_up = rank("mlp.gate_up_proj"),
             (false, true) => (r.gate, r.up) = (rank(gate), rank(up)),

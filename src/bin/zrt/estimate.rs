@@ -73,8 +73,8 @@ pub struct EstimateArgs {
     /// XGLM's, GPT-BigCode's, GPT-J's, CodeGen's, GPT-Neo's, MPT's,
     /// BLOOM's, OpenAI GPT's, CTRL's, GPT-NeoX-Japanese's,
     /// ModernBERT-decoder's, BitNet's trained unrounded, DiffLlama's,
-    /// Doge's, Mamba's, Falcon-Mamba's, Jamba's, Mamba-2's (rows longer
-    /// than a chunk), GPT-OSS's).
+    /// Doge's, Mamba's, Falcon-Mamba's, Jamba's, Mamba-2's, Bamba's and
+    /// Granite 4.0's (rows longer than a chunk), GPT-OSS's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -107,8 +107,9 @@ pub struct EstimateArgs {
     /// (its dense layer before the head too), BitNet trained unrounded,
     /// DiffLlama, Doge (its `dt_proj` too, where each layer's queries
     /// need a gradient), Mamba, Falcon-Mamba and Jamba (their scans'
-    /// `in_proj`, `x_proj`, `dt_proj`, `out_proj` too), Mamba-2 (its
-    /// `in_proj` and `out_proj`) and GPT-OSS (not
+    /// `in_proj`, `x_proj`, `dt_proj`, `out_proj` too), Mamba-2, Bamba
+    /// and Granite 4.0 (their scans' `in_proj` and `out_proj` too,
+    /// Granite 4.0's dense shared MLP) and GPT-OSS (not
     /// on a mixture's router or experts, shared or routed).
     #[arg(long)]
     lora_r: Option<i64>,

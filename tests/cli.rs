@@ -1486,7 +1486,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 14] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 18] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1665,6 +1665,54 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "403055872 params",
                 "a forward of 1 x 2048 tokens in bf16 holds 3.46 GiB a rank",
+            ],
+        ),
+        // Mamba-130m's shape: the slow path's fp32 discretised `A`, `B x`
+        // and every token's state, 14 bytes a channel, a state and a token
+        // in 16 bits.
+        (
+            "mamba-130m",
+            r#"{"model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 768, "num_hidden_layers": 24, "vocab_size": 50280, "state_size": 16, "expand": 2, "conv_kernel": 4, "time_step_rank": 48, "intermediate_size": 1536, "use_bias": false, "use_conv_bias": true, "layer_norm_epsilon": 1e-05, "tie_word_embeddings": true}"#,
+            "2",
+            "2048",
+            &[
+                "129135360 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 17.74 GiB a rank",
+            ],
+        ),
+        // Jamba-v0.1's 52B shape: 28 of its 32 layers that scan, beside
+        // attention and experts.
+        (
+            "jamba-v0.1",
+            r#"{"model_type": "jamba", "architectures": ["JambaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 65536, "num_experts": 16, "num_experts_per_tok": 2, "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 256, "mamba_conv_bias": true, "mamba_proj_bias": false, "rms_norm_eps": 1e-06, "tie_word_embeddings": false, "use_mamba_kernels": true, "max_position_embeddings": 262144}"#,
+            "8",
+            "2048",
+            &[
+                "51570323328 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 121.75 GiB a rank",
+            ],
+        ),
+        // Mamba2-130m's shape: each chunk of 256 tokens' decays and
+        // products in fp32, 12 bytes a head for each token of its chunk.
+        (
+            "mamba2-130m",
+            r#"{"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 768, "num_hidden_layers": 24, "vocab_size": 50288, "num_heads": 24, "head_dim": 64, "expand": 2, "state_size": 128, "n_groups": 1, "chunk_size": 256, "conv_kernel": 4, "use_bias": false, "use_conv_bias": true, "layer_norm_epsilon": 1e-05, "tie_word_embeddings": true}"#,
+            "2",
+            "2048",
+            &[
+                "128989632 params",
+                "a forward of 1 x 2048 tokens in bf16 holds 10.22 GiB a rank",
+            ],
+        ),
+        // Bamba-9B's shape: that scan in 29 of its 32 layers.
+        (
+            "bamba-9b",
+            r#"{"model_type": "bamba", "architectures": ["BambaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "attn_layer_indices": [9, 18, 27], "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_chunk_size": 256, "mamba_expand": 2, "mamba_d_conv": 4, "rms_norm_eps": 1e-05, "tie_word_embeddings": false}"#,
+            "8",
+            "4096",
+            &[
+                "9780235392 params",
+                "a forward of 1 x 4096 tokens in bf16 holds 146.21 GiB a rank",
             ],
         ),
     ];

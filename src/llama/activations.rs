@@ -184,8 +184,9 @@ pub fn held_for_backward(
         // Layers without rotary embeddings (SmolLM3's and Llama 4's
         // some, OPT's all) keep no cos and sin.
         let turns = c.turns(layer);
-        // LFM2's convolution layers in place of attention, Mamba's
-        // scan.
+        // LFM2's convolution layers in place of attention, the Mambas'
+        // scans; a Mamba-2 layer `Ssd::of` does not count leaves the
+        // model uncounted.
         let mixer = match (c.short_conv_layer(layer), c.mamba1_layer(layer)) {
             (Some(s), _) => Some(Mixer::ShortConv(dims(s.kernel))),
             (None, Some(m)) => Some(Mixer::Scan(Scan::of(m, c.hidden))),
@@ -508,15 +509,17 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
         let r = &Ranks::of(lora, l, c);
         let (o, conv_in, steps) = match (c.short_conv_layer(l), c.mamba1_layer(l)) {
             (Some(_), _) => (h, 3 * h, 0),
-            (None, None) => match c.mamba_layer(l) {
-                Some(m) => (dims(m.inner(c.hidden)), dims(m.projected(c.hidden)), 0),
-                None => (o, 0, r.dt * (kv + dims(c.kv_heads))),
-            },
             (None, Some(m)) => {
                 let s = Scan::of(m, c.hidden);
                 let select = r.select * (s.inner + s.rank + 2 * s.state);
                 (s.inner, 2 * s.inner, select + r.dt * (s.rank + s.inner))
             }
+            // Mamba-2's `in_proj` makes the gate, the channels, `B`, `C`
+            // and each head's step.
+            (None, None) => match c.mamba_layer(l) {
+                Some(m) => (dims(m.inner(c.hidden)), dims(m.projected(c.hidden)), 0),
+                None => (o, 0, r.dt * (kv + dims(c.kv_heads))),
+            },
         };
         bottlenecks(r)
             + r.conv_in * (h + conv_in)
@@ -543,7 +546,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba and Granite 4.0 (rows longer than a chunk) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba, Granite 4.0 (their rows longer than a chunk) and GPT-OSS";
 
 /// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
 /// its head, by its checkpoint name under the model's transform
@@ -1170,24 +1173,14 @@ impl Ranks {
             _ if c.short_conv_layer(layer).is_some() => {
                 (r.conv_in, r.o) = (rank("conv.in_proj"), rank("conv.out_proj"))
             }
-            // Mamba-2's (Granite 4.0's and Bamba's under `mamba`,
-            // Mamba-2's under `mixer`): `in_proj` reads the input.
+            // Mamba-2's: `in_proj` reads the input.
             _ if c.mamba_layer(layer).is_some() => {
-                let mixer = match c.family.mamba_only() {
-                    true => "mixer",
-                    false => "mamba",
-                };
-                let rank = |m: &str| rank(&format!("{mixer}.{m}"));
+                let rank = |m: &str| rank(&format!("{}.{m}", scan_module(c)));
                 (r.conv_in, r.o) = (rank("in_proj"), rank("out_proj"))
             }
-            // The Mamba scan's (Jamba's under `mamba`, the Mambas' under
-            // `mixer`): `in_proj` reads the input.
+            // The first Mamba's: `in_proj` reads the input.
             _ if c.mamba1_layer(layer).is_some() => {
-                let mixer = match c.family.mamba_only() {
-                    true => "mixer",
-                    false => "mamba",
-                };
-                let rank = |m: &str| rank(&format!("{mixer}.{m}"));
+                let rank = |m: &str| rank(&format!("{}.{m}", scan_module(c)));
                 (r.conv_in, r.select, r.dt, r.o) = (
                     rank("in_proj"),
                     rank("x_proj"),
@@ -1234,6 +1227,15 @@ impl Ranks {
             (false, false) => r.up = rank(up),
         }
         r
+    }
+}
+
+/// The module a layer's Mamba scan is under: the Mambas' `mixer`, the
+/// hybrids' `mamba` (Jamba's, Bamba's, Granite 4.0's).
+fn scan_module(c: &LlamaConfig) -> &'static str {
+    match c.family.mamba_only() {
+        true => "mixer",
+        false => "mamba",
     }
 }
 

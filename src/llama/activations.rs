@@ -2146,10 +2146,6 @@ impl Widths {
         };
         per_token += token;
         per_forward += forward;
-        // Its input in fp32 (in fp32 the attention's output itself, which
-        // the fused kernel keeps already), a reciprocal a token and, where
-        // its weight trains, its normalized values; its output is the
-        // output projection's input.
         // DiffLlama's heads combined in pairs (`first - lambda second`),
         // then RMS-normalised without weights: the difference in fp32 (in
         // fp32 itself) and a reciprocal a pair of heads; `lambda` once a
@@ -2161,6 +2157,11 @@ impl Widths {
             per_token += attended as u64 * (4 * q + 4 * (heads / 2)) + o_kept as u64 * b * q;
             per_forward += full as u64 * 2 * 4 + attended as u64 * b;
         }
+        // BitNet's sub norm of the attention's output: its input in fp32
+        // (in fp32 the attention's output itself, which the fused kernel
+        // keeps already), a reciprocal a token and, where its weight
+        // trains, its normalized values; its output is the output
+        // projection's input.
         if self.sub_norms {
             let q = self.q;
             per_token += attended as u64 * (4 + (b != 4) as u64 * 4 * q)

@@ -1906,6 +1906,14 @@ impl Widths {
         (per_token, per_position, 0, attended)
     }
 
+    /// What the causal convolution (`short_conv::CausalConv`, LFM2's and
+    /// both Mambas') keeps beyond a row's tokens, once a forward: its
+    /// output of `channels` values a token is `kernel - 1` positions
+    /// longer than each row, and what reads it keeps it whole.
+    fn conv_overhang(&self, kernel: u64, channels: u64) -> u64 {
+        self.rows * kernel.saturating_sub(1) * self.b * channels
+    }
+
     /// [`Widths::heads`] for LFM2's short convolution of `kernel` tokens:
     /// `in_proj`'s `B`, `C` and `x` (views of its output, which `B x`
     /// and `C` times the convolution's output keep whole), `B x` (the
@@ -1920,10 +1928,10 @@ impl Widths {
         r: &Ranks,
         o_kept: bool,
     ) -> (u64, u64, u64, bool) {
-        let Self { b, h, rows, .. } = *self;
+        let Self { b, h, .. } = *self;
         let live = normed || full || r.conv_in > 0;
         let per_token = live as u64 * 5 * b * h + o_kept as u64 * b * h;
-        let per_forward = live as u64 * rows * kernel.saturating_sub(1) * b * h;
+        let per_forward = live as u64 * self.conv_overhang(kernel, h);
         (per_token, 0, per_forward, live)
     }
 
@@ -2019,7 +2027,7 @@ impl Widths {
         // scan starts from and each state after a token, in fp32, but
         // the last, which is kept only for `C`'s gradient, and in 16
         // bits not even then (its copy is).
-        let mut per_forward = p * rows * kernel.saturating_sub(1) * b * i;
+        let mut per_forward = p * self.conv_overhang(kernel, i);
         per_forward += (st + u64::from(full)) * 4 * i * n + st * rows * i * n * b;
         per_forward += st * rows * seq.saturating_sub(1) * 4 * i * n;
         per_forward += u64::from(!wide && selected) * rows * 4 * i * n;
@@ -2080,7 +2088,7 @@ impl Widths {
             lv * (12 * heads * chunk + 20 * heads * n + 16 * i + 8 * heads) + f * 4 * i;
         let between = (chunks + 1) * (chunks + 1);
         let per_forward = rows * chunks * chunk * per_padded
-            + lv * (rows * kernel.saturating_sub(1) * b * c
+            + lv * (self.conv_overhang(kernel, c)
                 + 2 * (chunk * chunk + between)
                 + 4 * rows * (heads * between + (2 * chunks + 1) * i * n)
                 + 4 * heads)

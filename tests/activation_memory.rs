@@ -223,7 +223,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// its rows whole chunks and padded to them, its `B` and `C` in groups
 /// of heads and one for all; Bamba's beside an attending layer and
 /// its MLPs, and Granite 4.0's beside one, its shared MLP alone and
-/// beside experts.
+/// beside experts; PhiMoE's sparsemixer choosing two of four experts and
+/// of six, its LayerNorms, biased and tied, in a window shorter than the
+/// row, its input jittered; and Mixtral's and DBRX's routers' jitter.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -596,6 +598,22 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "granitemoehybrid",
         r#", "layer_types": ["attention", "mamba", "mamba"], "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 96, "intermediate_size": 48, "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_chunk_size": 16, "position_embedding_type": "rope""#,
+    ),
+    (
+        "phimoe",
+        r#", "num_local_experts": 4, "sliding_window": null"#,
+    ),
+    (
+        "phimoe",
+        r#", "num_local_experts": 6, "attention_bias": true, "lm_head_bias": true, "sliding_window": 16, "router_jitter_noise": 0.3, "input_jitter_noise": 0.01, "tie_word_embeddings": true"#,
+    ),
+    (
+        "mixtral",
+        r#", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": null, "router_jitter_noise": 0.1"#,
+    ),
+    (
+        "dbrx",
+        r#", "attn_config": {"kv_n_heads": 2}, "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2, "moe_jitter_eps": 0.1}"#,
     ),
 ];
 
@@ -1011,7 +1029,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         let cases = match model_type {
             "phi3" => &phi3_cases[..],
-            "mixtral" => &mixtral_cases[..],
+            "mixtral" | "phimoe" => &mixtral_cases[..],
             "arcee" | "nemotron" | "apertus" => &arcee_cases[..],
             "persimmon" => &persimmon_cases[..],
             "gpt_oss" => &gpt_oss_cases[..],
@@ -1477,11 +1495,10 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         ..lora.clone()
     };
     assert_eq!(adapter_params(&opt, &embedding), None);
-    // A mixture's router jitter and balancing loss (beside a shared
-    // expert too).
+    // A mixture's balancing loss (beside a shared expert too).
     for (t, extra) in [
-        ("mixtral", r#", "router_jitter_noise": 0.1"#),
         ("mixtral", r#", "output_router_logits": true"#),
+        ("phimoe", r#", "output_router_logits": true"#),
         (
             "qwen2_moe",
             r#", "num_experts": 4, "shared_expert_intermediate_size": 64, "output_router_logits": true"#,

@@ -1486,7 +1486,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 18] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 19] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1713,6 +1713,18 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "9780235392 params",
                 "a forward of 1 x 4096 tokens in bf16 holds 146.21 GiB a rank",
+            ],
+        ),
+        // Phi-3.5-MoE's shape: sparsemixer's two picks each keeping its
+        // softmax over the experts still in play, its input jittered.
+        (
+            "phi-3.5-moe",
+            r#"{"model_type": "phimoe", "architectures": ["PhimoeForCausalLM"], "hidden_size": 4096, "intermediate_size": 6400, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 16, "num_experts_per_tok": 2, "vocab_size": 32064, "max_position_embeddings": 131072, "sliding_window": 131072, "attention_bias": true, "lm_head_bias": true, "rms_norm_eps": 1e-05, "router_jitter_noise": 0.01, "input_jitter_noise": 0.01, "tie_word_embeddings": false}"#,
+            "8",
+            "4096",
+            &[
+                "41873153344 params",
+                "a forward of 1 x 4096 tokens in bf16 holds 21.10 GiB a rank",
             ],
         ),
     ];

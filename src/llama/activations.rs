@@ -546,7 +546,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba, Granite 4.0 (their rows longer than a chunk) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, PhiMoE (Phi-3.5-MoE), Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba, Granite 4.0 (their rows longer than a chunk) and GPT-OSS";
 
 /// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
 /// its head, by its checkpoint name under the model's transform
@@ -746,6 +746,9 @@ fn counted(c: &LlamaConfig) -> bool {
         // alone, beside Bamba's attention and MLPs, and beside Granite
         // 4.0's attention and its shared MLP, with experts or without.
         Family::Mamba2 | Family::Bamba | Family::GraniteMoeHybrid => true,
+        // PhiMoE's Mixtral layers with LayerNorms, their experts chosen
+        // by sparsemixer.
+        Family::Phimoe => true,
         _ => false,
     }
 }
@@ -789,6 +792,15 @@ struct Experts {
     /// Llama 4's router: the top `k` logits, each weighted by its
     /// sigmoid in fp32, scaling the expert's input, not its output.
     sigmoid: bool,
+    /// PhiMoE's sparsemixer: its two experts chosen one after the other,
+    /// each weighted by a softmax over the experts still in play, with a
+    /// gradient of its own to the logits ([`crate::llama`]'s
+    /// `sparse_mixer`).
+    sparse: bool,
+    /// The mixture's input times a uniform draw for each element in
+    /// training (Mixtral's and DBRX's router jitter, PhiMoE's input
+    /// jitter).
+    jitter: bool,
 }
 
 impl Experts {
@@ -797,7 +809,8 @@ impl Experts {
     /// the top `k`, or the grouped one of GLM-4-MoE, dots.llm1 and
     /// DeepSeek-V2 and V3, no shared expert but Qwen2-MoE's, ERNIE 4.5's,
     /// Hunyuan's, Llama 4's, Granite-MoE-shared's and the grouped ones',
-    /// no jitter, no balancing loss.
+    /// PhiMoE's sparsemixer, with their inputs' jitter or without, no
+    /// balancing loss.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
@@ -828,10 +841,12 @@ impl Experts {
             c.family,
             Family::Glm4Moe | Family::Dots1 | Family::DeepseekV3 | Family::DeepseekV2
         ) && m.grouped.is_some();
-        let counted = (plain || grouped)
-            && m.sparse_mixer.is_none()
+        // PhiMoE's sparsemixer draws its choices, and keeps what a
+        // plain router's choices and weights keep, its own beside.
+        let sparse = c.family == Family::Phimoe && m.sparse_mixer.is_some();
+        let counted = (plain || grouped || sparse)
+            && (m.sparse_mixer.is_none() || sparse)
             && m.balance.is_none()
-            && m.jitter == 0.0
             && m.zero == 0;
         counted.then(|| Self {
             count: dims(m.experts),
@@ -841,6 +856,8 @@ impl Experts {
             shared: m.shared.map(|w| (dims(w), c.family == Family::Qwen2Moe)),
             grouped,
             sigmoid: c.family == Family::Llama4,
+            sparse,
+            jitter: m.jitter > 0.0,
         })
     }
 
@@ -858,6 +875,8 @@ impl Experts {
             shared,
             grouped,
             sigmoid,
+            sparse,
+            jitter,
         } = *self;
         // The grouped router computes in fp32: its input, and its
         // weights per row.
@@ -871,6 +890,10 @@ impl Experts {
         let mut kept = full as u64 * (input * h + k * b * h + k * b * width);
         let mut per_forward = 0;
         if live {
+            // The jitter's draw, kept for its input's gradient (the
+            // router and experts keep the jittered input, in place of
+            // the one they would keep).
+            kept += jitter as u64 * b * h;
             // The scores' fp32 softmax (or sigmoid); the top k's int64
             // choices (or the index the grouped scores are gathered
             // by); with renormalisation the fp32 weights and their sum
@@ -882,8 +905,15 @@ impl Experts {
             };
             kept += 8 * k + normalize as u64 * renormalised;
             // Llama 4's sigmoid of the top k alone, the others' scores
-            // of every expert.
-            kept += 4 * if sigmoid { k } else { count };
+            // of every expert; sparsemixer's each pick's softmax over
+            // the experts in play and the logits (for its gradient), in
+            // the compute dtype, and each pick's weight (its choices are
+            // the int64 ones above).
+            kept += match (sigmoid, sparse) {
+                (true, _) => 4 * k,
+                (false, true) => (k + 1) * b * count + k * b,
+                (false, false) => 4 * count,
+            };
             // Each expert's tokens and slots (int64 pairs), by which its
             // rows are gathered, weighed and added back.
             kept += 16 * k;
@@ -981,7 +1011,7 @@ impl MoeModules {
                 &[][..],
                 ("shared_mlp", &["input_linear", "output_linear"][..]),
             ),
-            Family::Mixtral => (
+            Family::Mixtral | Family::Phimoe => (
                 "block_sparse_moe",
                 &["gate"][..],
                 &["w1", "w3", "w2"][..],
@@ -1284,7 +1314,8 @@ impl Norms {
             | Family::Persimmon
             | Family::Dbrx
             | Family::Falcon
-            | Family::ModernBertDecoder => Self::Layer,
+            | Family::ModernBertDecoder
+            | Family::Phimoe => Self::Layer,
             f if gpt_era(f) => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,

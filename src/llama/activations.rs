@@ -61,7 +61,7 @@ const RNG_STATE_BYTES: u64 = 5056;
 ///
 /// `None` where the count would be a guess: a family not in
 /// [`COUNTED_FAMILIES`], or a layer of one unlike what is counted there
-/// (a mixture of experts other than a plain one, `Experts::of`), whose
+/// (a mixture of experts other than those `Experts::of` counts), whose
 /// gates save other tensors;
 /// a dropout of the model's that it does not follow (`dropouts`:
 /// Falcon's, a mixture's, the weights' of an attention not the fused
@@ -174,6 +174,9 @@ pub fn held_for_backward(
     let mut mask = 0;
     let mut chunks = 0;
     let mut alibi = 0;
+    // Whether a layer's routing probabilities need a gradient, which the
+    // load-balancing loss then carries to them.
+    let mut balanced = false;
     for layer in 0..c.layers.max(0) {
         let ranks = match lora {
             Some(l) => Ranks::of(l, layer, c),
@@ -237,6 +240,9 @@ pub fn held_for_backward(
         held += w.layer_held(recompute, (live, trains), tokens, || {
             tokens * per_token + seq * per_position + per_forward
         });
+        // (Adapters on the experts are not counted: a layer of them
+        // whose output needs a gradient routes with one.)
+        balanced |= mixture.is_some() && out_live;
         live = out_live;
     }
     // Gemma's embeddings are scaled by a one-value tensor of their
@@ -271,7 +277,16 @@ pub fn held_for_backward(
     };
     let ends = (c.final_norm().then_some(&w), &head);
     let head = kept_for_head(ends, tokens, (live, full), (fused_loss, kept));
-    Some(held + mask + chunks + alibi + scale + projections + transform + head)
+    // The load-balancing loss's seed (f64) and, where a layer's routing
+    // needs a gradient, the loss's gradient in the summed probabilities
+    // (fp32), once a forward; recomputed layers hold the forward's whole
+    // tally for their replays, its counts and sums (f64) too.
+    let balance = match experts.filter(|e| e.balance) {
+        Some(e) if recompute => 20 * e.count + 8,
+        Some(e) => balanced as u64 * 4 * e.count + 8,
+        None => 0,
+    };
+    Some(held + mask + chunks + alibi + scale + projections + transform + head + balance)
 }
 
 /// A model of layers alike, each over the whole row (GPT-2's, GPT-NeoX's,
@@ -801,6 +816,12 @@ struct Experts {
     /// training (Mixtral's and DBRX's router jitter, PhiMoE's input
     /// jitter).
     jitter: bool,
+    /// The router's load-balancing loss (`output_router_logits`,
+    /// `llama::balance`).
+    balance: bool,
+    /// GPT-OSS's balance: over a softmax of its top `k` weights
+    /// scattered among zeros.
+    scattered: bool,
 }
 
 impl Experts {
@@ -844,10 +865,8 @@ impl Experts {
         // PhiMoE's sparsemixer draws its choices, and keeps what a
         // plain router's choices and weights keep, its own beside.
         let sparse = c.family == Family::Phimoe && m.sparse_mixer.is_some();
-        let counted = (plain || grouped || sparse)
-            && (m.sparse_mixer.is_none() || sparse)
-            && m.balance.is_none()
-            && m.zero == 0;
+        let counted =
+            (plain || grouped || sparse) && (m.sparse_mixer.is_none() || sparse) && m.zero == 0;
         counted.then(|| Self {
             count: dims(m.experts),
             k: dims(m.top_k),
@@ -858,6 +877,8 @@ impl Experts {
             sigmoid: c.family == Family::Llama4,
             sparse,
             jitter: m.jitter > 0.0,
+            balance: m.balance.is_some(),
+            scattered: c.family == Family::GptOss,
         })
     }
 
@@ -877,6 +898,8 @@ impl Experts {
             sigmoid,
             sparse,
             jitter,
+            balance,
+            scattered,
         } = *self;
         // The grouped router computes in fp32: its input, and its
         // weights per row.
@@ -911,7 +934,9 @@ impl Experts {
             // the int64 ones above).
             kept += match (sigmoid, sparse) {
                 (true, _) => 4 * k,
-                (false, true) => (k + 1) * b * count + k * b,
+                // (With the balance, a softmax of every logit of its
+                // own, in the compute dtype.)
+                (false, true) => (k + 1 + balance as u64) * b * count + k * b,
                 (false, false) => 4 * count,
             };
             // Each expert's tokens and slots (int64 pairs), by which its
@@ -927,6 +952,11 @@ impl Experts {
             if grouped && b != 4 {
                 per_forward += 4 * count * h;
             }
+            // The balance's summed probabilities (fp32), which carry its
+            // gradient to the router; GPT-OSS's softmax of its scattered
+            // weights (fp32), a token.
+            per_forward += balance as u64 * 4 * count;
+            kept += (balance && scattered) as u64 * 4 * count;
         }
         // The shared expert reads the router's input, kept once (the
         // grouped router keeps an fp32 copy of it instead, so in 16 bits

@@ -227,7 +227,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// of six, its LayerNorms, biased and tied, in a window shorter than the
 /// row, its input jittered; and Mixtral's and DBRX's routers' jitter; the
 /// load-balancing loss of Mixtral's, Qwen3-MoE's (past its last layer of
-/// experts too), PhiMoE's and GPT-OSS's routers.
+/// experts too), PhiMoE's and GPT-OSS's routers; a mixture's dropouts,
+/// DBRX's (its attention's, its experts' output's, its embeddings') and
+/// Qwen2-MoE's attention's.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -632,6 +634,14 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "gpt_oss",
         r#", "head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "pad_token_id": 96, "output_router_logits": true"#,
+    ),
+    (
+        "dbrx",
+        r#", "attn_config": {"kv_n_heads": 2, "attn_pdrop": 0.1, "clip_qkv": 0.3}, "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}, "resid_pdrop": 0.1, "emb_pdrop": 0.1"#,
+    ),
+    (
+        "qwen2_moe",
+        r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "mlp_only_layers": [1], "attention_dropout": 0.1"#,
     ),
 ];
 
@@ -1520,11 +1530,10 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     };
     assert_eq!(adapter_params(&opt, &embedding), None);
     // Dropouts where the count does not follow them: Falcon's (its
-    // parallel layers drop out the sum), a mixture's, and the weights'
-    // of an attention not the fused kernel's (Gemma 2's soft-capped).
+    // parallel layers drop out the sum) and the weights' of an attention
+    // not the fused kernel's (Gemma 2's soft-capped).
     for (t, dropout) in [
         ("falcon", r#", "hidden_dropout": 0.1, "alibi": false"#),
-        ("mixtral", r#", "attention_dropout": 0.1"#),
         (
             "gemma2",
             r#", "head_dim": 24, "query_pre_attn_scalar": 24, "attention_dropout": 0.1"#,

@@ -64,7 +64,7 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// (a mixture of experts other than those `Experts::of` counts), whose
 /// gates save other tensors;
 /// a dropout of the model's that it does not follow (`dropouts`:
-/// Falcon's, a mixture's, the weights' of an attention not the fused
+/// Falcon's, the weights' of an attention not the fused
 /// kernel's; the others are counted, each keeping its mask, and the
 /// attention's weights' taking libtorch's plain CPU attention, which
 /// keeps fp32 weights for every pair of tokens); and LoRA with DoRA, bias
@@ -83,7 +83,7 @@ pub fn held_for_backward(
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
     let experts = countable(c, lora)?;
-    let (weights_dropout, output_dropout, mlp_dropout) = dropouts(c, experts.is_some())?;
+    let (weights_dropout, output_dropout, mlp_dropout) = dropouts(c)?;
     let b = bytes_of(kind)?;
     let post_norms = c.opt.is_some_and(|o| !o.norm_before) || c.family == Family::OpenAiGpt;
     let w = Widths {
@@ -401,12 +401,11 @@ fn rank_at(l: &LoraConfig, name: &str) -> u64 {
 /// Which of `c`'s own dropouts are on: of the attention's weights, of
 /// its output and of the MLP's output (the embeddings' is read apart);
 /// `None` where one is on that this count does not follow: Falcon's
-/// (its parallel layers drop out the two outputs' sum), a mixture's
-/// (`experts`), and the weights' where the attention is not the fused
-/// kernel's (soft-capped, beside sinks, latent or in chunks). ALiBi's
+/// (its parallel layers drop out the two outputs' sum), and the
+/// weights' where the attention is not the fused kernel's (soft-capped, beside sinks, latent or in chunks). ALiBi's
 /// attention dropped out takes libtorch's plain path as any other, its
 /// float mask the one a forward holds.
-fn dropouts(c: &LlamaConfig, experts: bool) -> Option<(bool, bool, bool)> {
+fn dropouts(c: &LlamaConfig) -> Option<(bool, bool, bool)> {
     let on = (
         c.attention_weights_dropout() > 0.0,
         c.attention_output_dropout() > 0.0,
@@ -417,7 +416,7 @@ fn dropouts(c: &LlamaConfig, experts: bool) -> Option<(bool, bool, bool)> {
         && c.family != Family::GptOss
         && c.mla.is_none()
         && c.llama4.as_ref().is_none_or(|a| a.chunk.is_none());
-    match (c.falcon.is_some() || experts) && any || on.0 && !plain_attention {
+    match c.falcon.is_some() && any || on.0 && !plain_attention {
         true => None,
         false => Some(on),
     }
@@ -2280,6 +2279,8 @@ impl Widths {
                 let (token, forward) = m.layer(b, h, normed, full);
                 per_token += token;
                 per_forward += forward;
+                // DBRX's dropout of the experts' output keeps its mask.
+                per_token += (self.resid_dropout.1 && normed) as u64 * b * h;
                 normed
             }
             None => {

@@ -229,7 +229,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// load-balancing loss of Mixtral's, Qwen3-MoE's (past its last layer of
 /// experts too), PhiMoE's and GPT-OSS's routers; a mixture's dropouts,
 /// DBRX's (its attention's, its experts' output's, its embeddings') and
-/// Qwen2-MoE's attention's.
+/// Qwen2-MoE's attention's; Falcon's, of its parallel sublayers' sum (7B's,
+/// 40B's) and of each sublayer's output (sequential, and Falcon-RW's).
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -642,6 +643,22 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "qwen2_moe",
         r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "mlp_only_layers": [1], "attention_dropout": 0.1"#,
+    ),
+    (
+        "falcon",
+        r#", "multi_query": true, "parallel_attn": true, "bias": false, "alibi": false, "new_decoder_architecture": false, "hidden_dropout": 0.1, "attention_dropout": 0.1"#,
+    ),
+    (
+        "falcon",
+        r#", "num_kv_heads": 2, "new_decoder_architecture": true, "bias": true, "alibi": false, "hidden_dropout": 0.1"#,
+    ),
+    (
+        "falcon",
+        r#", "multi_query": false, "parallel_attn": false, "bias": true, "alibi": false, "new_decoder_architecture": false, "hidden_dropout": 0.1, "attention_dropout": 0.1"#,
+    ),
+    (
+        "falcon",
+        r#", "num_attention_heads": 4, "multi_query": false, "parallel_attn": false, "bias": true, "alibi": true, "new_decoder_architecture": false, "hidden_dropout": 0.1, "attention_dropout": 0.1"#,
     ),
 ];
 
@@ -1529,14 +1546,17 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         ..lora.clone()
     };
     assert_eq!(adapter_params(&opt, &embedding), None);
-    // Dropouts where the count does not follow them: Falcon's (its
-    // parallel layers drop out the sum) and the weights' of an attention
-    // not the fused kernel's (Gemma 2's soft-capped).
+    // Dropouts where the count does not follow them: the weights' of an
+    // attention not the fused kernel's (Gemma 2's soft-capped, GPT-OSS's
+    // beside its sinks).
     for (t, dropout) in [
-        ("falcon", r#", "hidden_dropout": 0.1, "alibi": false"#),
         (
             "gemma2",
             r#", "head_dim": 24, "query_pre_attn_scalar": 24, "attention_dropout": 0.1"#,
+        ),
+        (
+            "gpt_oss",
+            r#", "head_dim": 24, "num_local_experts": 4, "attention_dropout": 0.1"#,
         ),
     ] {
         assert_eq!(

@@ -63,9 +63,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// [`COUNTED_FAMILIES`], or a layer of one unlike what is counted there
 /// (a mixture of experts other than those `Experts::of` counts), whose
 /// gates save other tensors;
-/// a dropout of the model's that it does not follow (`dropouts`:
-/// Falcon's, the weights' of an attention not the fused
-/// kernel's; the others are counted, each keeping its mask, and the
+/// a dropout of the model's that it does not follow (`dropouts`: the
+/// weights' of an attention not the fused kernel's; the others are counted, each keeping its mask, and the
 /// attention's weights' taking libtorch's plain CPU attention, which
 /// keeps fp32 weights for every pair of tokens); and LoRA with DoRA, bias
 /// terms, or anything besides the layers' adapters training (the head,
@@ -144,6 +143,7 @@ pub fn held_for_backward(
         clipped: c.clip_qkv.is_some(),
         parallel: c.parallel || c.falcon.as_ref().is_some_and(|f| f.parallel),
         two_norms: c.falcon.as_ref().is_some_and(|f| f.parallel && f.two_norms),
+        sum_dropped: c.falcon.as_ref().is_some_and(|f| f.parallel),
         eager: (c.attn_softcap.is_some() || matches!(c.family, Family::GptOss | Family::Doge))
             .then_some(Eager {
                 rows,
@@ -400,9 +400,10 @@ fn rank_at(l: &LoraConfig, name: &str) -> u64 {
 
 /// Which of `c`'s own dropouts are on: of the attention's weights, of
 /// its output and of the MLP's output (the embeddings' is read apart);
-/// `None` where one is on that this count does not follow: Falcon's
-/// (its parallel layers drop out the two outputs' sum), and the
-/// weights' where the attention is not the fused kernel's (soft-capped, beside sinks, latent or in chunks). ALiBi's
+/// `None` where one is on that this count does not follow: the
+/// weights' where the attention is not the fused kernel's
+/// (soft-capped, beside sinks, latent or in chunks). Falcon's parallel
+/// layers drop out their two outputs' sum (`Widths::sum_dropped`). ALiBi's
 /// attention dropped out takes libtorch's plain path as any other, its
 /// float mask the one a forward holds.
 fn dropouts(c: &LlamaConfig) -> Option<(bool, bool, bool)> {
@@ -411,12 +412,11 @@ fn dropouts(c: &LlamaConfig) -> Option<(bool, bool, bool)> {
         c.attention_output_dropout() > 0.0,
         c.resid_dropout > 0.0,
     );
-    let any = on.0 || on.1 || on.2 || c.embedding_dropout > 0.0;
     let plain_attention = c.attn_softcap.is_none()
         && c.family != Family::GptOss
         && c.mla.is_none()
         && c.llama4.as_ref().is_none_or(|a| a.chunk.is_none());
-    match c.falcon.is_some() && any || on.0 && !plain_attention {
+    match on.0 && !plain_attention {
         true => None,
         false => Some(on),
     }
@@ -1431,6 +1431,10 @@ struct Widths {
     /// reciprocal (the input is the first's), and the MLP reads its own
     /// normalised tensor.
     two_norms: bool,
+    /// Falcon's parallel layers drop out the sum of the attention's and
+    /// the MLP's outputs (`hidden_dropout`), not each: its mask is kept
+    /// where either needs a gradient.
+    sum_dropped: bool,
     /// Gemma 2's soft-capped attention scores, GPT-OSS's beside its
     /// sinks, computed by blocks of queries or whole rather than by the
     /// fused kernel.
@@ -1623,6 +1627,7 @@ impl Widths {
             clipped: false,
             parallel: false,
             two_norms: false,
+            sum_dropped: false,
             eager: None,
             latent: None,
             dropout: false,
@@ -2333,7 +2338,8 @@ impl Widths {
                 per_token += self.shares(full, &[r.down]) as u64 * b * i;
                 per_token += b * r.down + self.dropped(i, &[r.down], inner_live);
                 let down_live = inner_live || full || r.down > 0;
-                per_token += (self.resid_dropout.1 && down_live) as u64 * b * h;
+                let dropped = self.resid_dropout.1 && !self.sum_dropped;
+                per_token += (dropped && down_live) as u64 * b * h;
                 down_live
             }
         };
@@ -2342,6 +2348,8 @@ impl Widths {
             per_token += self.norm(down_live, full);
             per_forward += self.norm_weights(down_live);
         }
+        per_token +=
+            (self.sum_dropped && self.resid_dropout.1 && (o_live || down_live)) as u64 * b * h;
         let out = mid || down_live;
         (per_token, per_position, per_forward, out)
     }

@@ -517,7 +517,7 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of {} with their own dropouts, but not Falcon's dropouts nor the attention weights' of attentions other than the fused kernel; nor adapters on experts or on OPT-350m's projections); measure them: `memory_breakdown` logs what libtorch holds at its peak",
+            "activations: not counted for this model (zrt counts the layers of {} with their own dropouts, but not the attention weights' of attentions other than the fused kernel; nor adapters on experts or on OPT-350m's projections); measure them: `memory_breakdown` logs what libtorch holds at its peak",
             zrt::llama::COUNTED_FAMILIES
         ),
     }

@@ -230,7 +230,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// experts too), PhiMoE's and GPT-OSS's routers; a mixture's dropouts,
 /// DBRX's (its attention's, its experts' output's, its embeddings') and
 /// Qwen2-MoE's attention's; Falcon's, of its parallel sublayers' sum (7B's,
-/// 40B's) and of each sublayer's output (sequential, and Falcon-RW's).
+/// 40B's) and of each sublayer's output (sequential, and Falcon-RW's);
+/// Falcon-H1's attention beside Mamba-2's scan, every multiplier other
+/// than 1, its gated norm over two groups gated after it and over one
+/// gated before, and no norm, biased and tied.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -645,6 +648,18 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "mlp_only_layers": [1], "attention_dropout": 0.1"#,
     ),
     (
+        "falcon_h1",
+        r#", "intermediate_size": 128, "mamba_d_ssm": 96, "mamba_n_heads": 6, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 5, "mamba_rms_norm": true, "projectors_bias": true, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "mlp_multipliers": [0.8, 1.3], "key_multiplier": 0.7, "attention_in_multiplier": 1.2, "attention_out_multiplier": 0.9, "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.05], "ssm_in_multiplier": 1.3, "ssm_out_multiplier": 0.6"#,
+    ),
+    (
+        "falcon_h1",
+        r#", "intermediate_size": 96, "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_chunk_size": 6, "mamba_rms_norm": true, "mamba_norm_before_gate": true, "attention_bias": true, "tie_word_embeddings": true"#,
+    ),
+    (
+        "falcon_h1",
+        r#", "intermediate_size": 128, "mamba_d_ssm": 96, "mamba_n_heads": 6, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 5"#,
+    ),
+    (
         "falcon",
         r#", "multi_query": true, "parallel_attn": true, "bias": false, "alibi": false, "new_decoder_architecture": false, "hidden_dropout": 0.1, "attention_dropout": 0.1"#,
     ),
@@ -924,6 +939,25 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             on_shared.clone(),
         ])
         .collect();
+    // Falcon-H1's Mamba's beside its attention: `in_proj` and
+    // `out_proj` alone, beside the attention's and the MLP's, on one
+    // layer, ranked by a pattern, under LoRA's dropout.
+    let falcon_h1_cases: Vec<_> = (cases.iter().cloned())
+        .chain([
+            lora(&["in_proj"]),
+            lora(&["out_proj"]),
+            lora(&["in_proj", "k_proj", "up_proj"]),
+            zrt::lora::LoraConfig {
+                layers_to_transform: vec![1],
+                ..lora(&["out_proj", "gate_proj"])
+            },
+            zrt::lora::LoraConfig {
+                rank_pattern: vec![("mamba.in_proj".into(), 3)],
+                ..lora(&["in_proj", "out_proj", "o_proj"])
+            },
+            dropped(0.1, &lora(&["in_proj", "out_proj", "v_proj"])),
+        ])
+        .collect();
     // Jamba's: its scan's, its attention's, its MLP's (under
     // `feed_forward`, and its experts' and router, not counted).
     let jamba_cases: Vec<_> = (mamba_cases.iter().cloned())
@@ -1110,6 +1144,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "doge" => &doge_cases[..],
             "mamba" | "falcon_mamba" => &mamba_cases[..],
             "jamba" => &jamba_cases[..],
+            "falcon_h1" => &falcon_h1_cases[..],
             "mamba2" => &mamba2_cases[..],
             "bamba" | "granitemoehybrid" => &mamba2_hybrid_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],

@@ -1484,7 +1484,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     );
     // Each at its widths, in bf16: its config, ranks, tokens and what
     // the estimate says.
-    let widths: [(&str, &str, &str, &str, &[&str]); 19] = [
+    let widths: [(&str, &str, &str, &str, &[&str]); 20] = [
         // Llama 4 Scout's language model (its published text config,
         // its temperature tuning given as 4; 16 experts a layer, top 1,
         // beside a shared expert): at 16384 tokens its 36 chunked layers
@@ -1723,6 +1723,18 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             &[
                 "41873153344 params",
                 "a forward of 1 x 4096 tokens in bf16 holds 21.10 GiB a rank",
+            ],
+        ),
+        // A Falcon-H1 0.5B-like shape: attention beside a Mamba-2 scan
+        // of 24 heads in every layer, its gate without a norm.
+        (
+            "falcon-h1-0.5b",
+            r#"{"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"], "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32784, "mamba_d_ssm": 1536, "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_chunk_size": 128, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_rms_norm": false, "max_position_embeddings": 16384, "tie_word_embeddings": false}"#,
+            "2",
+            "4096",
+            &[
+                "521411104 params",
+                "a forward of 1 x 4096 tokens in bf16 holds 27.82 GiB a rank",
             ],
         ),
     ];

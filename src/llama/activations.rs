@@ -144,6 +144,7 @@ pub fn held_for_backward(
         parallel: c.parallel || c.falcon.as_ref().is_some_and(|f| f.parallel),
         two_norms: c.falcon.as_ref().is_some_and(|f| f.parallel && f.two_norms),
         sum_dropped: c.falcon.as_ref().is_some_and(|f| f.parallel),
+        scaled_gate: c.falcon_h1.is_some(),
         eager: (c.attn_softcap.is_some() || matches!(c.family, Family::GptOss | Family::Doge))
             .then_some(Eager {
                 rows,
@@ -193,9 +194,12 @@ pub fn held_for_backward(
         let mixer = match (c.short_conv_layer(layer), c.mamba1_layer(layer)) {
             (Some(s), _) => Some(Mixer::ShortConv(dims(s.kernel))),
             (None, Some(m)) => Some(Mixer::Scan(Scan::of(m, c.hidden))),
-            (None, None) => match c.mamba_layer(layer) {
-                Some(m) => Some(Mixer::Ssd(Ssd::of(m, c.hidden, seq)?)),
-                None => None,
+            (None, None) => match (c.mamba_layer(layer), &c.mamba) {
+                (Some(m), _) => Some(Mixer::Ssd(Ssd::of(m, c.hidden, seq, false)?)),
+                (None, Some(m)) if c.falcon_h1.is_some() => {
+                    Some(Mixer::Beside(Ssd::of(m, c.hidden, seq, true)?))
+                }
+                _ => None,
             },
         };
         // Doge's attention without a gradient for its queries computes
@@ -530,9 +534,16 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
             }
             // Mamba-2's `in_proj` makes the gate, the channels, `B`, `C`
             // and each head's step.
-            (None, None) => match c.mamba_layer(l) {
-                Some(m) => (dims(m.inner(c.hidden)), dims(m.projected(c.hidden)), 0),
-                None => (o, 0, r.dt * (kv + dims(c.kv_heads))),
+            (None, None) => match (c.mamba_layer(l), &c.mamba) {
+                (Some(m), _) => (dims(m.inner(c.hidden)), dims(m.projected(c.hidden)), 0),
+                // Falcon-H1's beside the attention: its `out_proj` reads
+                // the channels.
+                (None, Some(m)) if c.falcon_h1.is_some() => {
+                    let inner = dims(m.inner(c.hidden));
+                    let out = r.out * (inner + h);
+                    (o, dims(m.projected(c.hidden)), out)
+                }
+                _ => (o, 0, r.dt * (kv + dims(c.kv_heads))),
             },
         };
         bottlenecks(r)
@@ -560,7 +571,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, PhiMoE (Phi-3.5-MoE), Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba, Granite 4.0 (their rows longer than a chunk) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, PhiMoE (Phi-3.5-MoE), Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba, Granite 4.0, Falcon-H1 (their rows longer than a chunk) and GPT-OSS";
 
 /// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
 /// its head, by its checkpoint name under the model's transform
@@ -763,6 +774,9 @@ fn counted(c: &LlamaConfig) -> bool {
         // PhiMoE's Mixtral layers with LayerNorms, their experts chosen
         // by sparsemixer.
         Family::Phimoe => true,
+        // Falcon-H1's attention beside that scan, its gate grouped or
+        // plain, its multipliers.
+        Family::FalconH1 => true,
         _ => false,
     }
 }
@@ -1089,6 +1103,9 @@ struct Ranks {
     /// [`Ranks::o`]).
     select: u64,
     o: u64,
+    /// Falcon-H1's Mamba's `out_proj`, beside the attention's `o_proj`
+    /// (its `in_proj` is [`Ranks::conv_in`]).
+    out: u64,
     gate: u64,
     up: u64,
     gate_up: u64,
@@ -1098,8 +1115,13 @@ struct Ranks {
 impl Ranks {
     /// Whether the layer has an adapter.
     fn any(&self) -> bool {
-        let attention =
-            self.attention_input() + self.q_b + self.kv_b + self.dt + self.select + self.o;
+        let attention = self.attention_input()
+            + self.q_b
+            + self.kv_b
+            + self.dt
+            + self.select
+            + self.o
+            + self.out;
         attention + self.mlp_input() + self.down > 0
     }
 
@@ -1158,7 +1180,7 @@ impl Ranks {
                 "mlp.dense_h_to_4h",
                 "mlp.dense_4h_to_h",
             ),
-            Family::Llama4 | Family::Jamba | Family::Bamba => (
+            Family::Llama4 | Family::Jamba | Family::Bamba | Family::FalconH1 => (
                 "qkv_proj",
                 "o_proj",
                 "feed_forward.gate_proj",
@@ -1231,6 +1253,16 @@ impl Ranks {
             // `out_proj` is the layer's output projection.
             _ if c.short_conv_layer(layer).is_some() => {
                 (r.conv_in, r.o) = (rank("conv.in_proj"), rank("conv.out_proj"))
+            }
+            // Falcon-H1's Mamba beside the attention.
+            _ if c.falcon_h1.is_some() => {
+                (r.q, r.k, r.v, r.conv_in, r.out) = (
+                    rank("self_attn.q_proj"),
+                    rank("self_attn.k_proj"),
+                    rank("self_attn.v_proj"),
+                    rank("mamba.in_proj"),
+                    rank("mamba.out_proj"),
+                )
             }
             // Mamba-2's: `in_proj` reads the input.
             _ if c.mamba_layer(layer).is_some() => {
@@ -1435,6 +1467,10 @@ struct Widths {
     /// the MLP's outputs (`hidden_dropout`), not each: its mask is kept
     /// where either needs a gradient.
     sum_dropped: bool,
+    /// Falcon-H1's MLP scales its gate inside the activation: the
+    /// product is computed as it reads (not by `glu`), the activation
+    /// keeping its input and the product its output.
+    scaled_gate: bool,
     /// Gemma 2's soft-capped attention scores, GPT-OSS's beside its
     /// sinks, computed by blocks of queries or whole rather than by the
     /// fused kernel.
@@ -1525,6 +1561,9 @@ enum Mixer {
     Scan(Scan),
     /// Mamba-2's chunked scan.
     Ssd(Ssd),
+    /// Falcon-H1's: attention and Mamba-2's chunked scan side by side,
+    /// each reading the normalised input times a factor of its own.
+    Beside(Ssd),
 }
 
 /// The widths of Mamba-2's chunked scan ([`MambaConfig`]), its output
@@ -1542,20 +1581,21 @@ struct Ssd {
     chunk: u64,
     /// The causal convolution's width.
     kernel: u64,
+    /// How its output is gated (and normalised).
+    gate: MambaGate,
+    /// Falcon-H1's multipliers of `in_proj`'s parts: its output times
+    /// a tensor of them, cast to the compute dtype each forward.
+    mup: bool,
 }
 
 impl Ssd {
-    /// `m`'s, in a model `hidden` wide, over rows of `seq` tokens;
-    /// `None` for a gate other than Mamba-2's own (Falcon-H1's and
-    /// Zamba2's group the norm or have none), and for a row within one
+    /// `m`'s, in a model `hidden` wide, over rows of `seq` tokens
+    /// (`mup`: Falcon-H1's, multiplied); `None` for a row within one
     /// chunk, one head or a state of one (libtorch's einsum keeps views
     /// of its operands there, where it keeps copies otherwise).
-    fn of(m: &MambaConfig, hidden: i64, seq: u64) -> Option<Self> {
+    fn of(m: &MambaConfig, hidden: i64, seq: u64, mup: bool) -> Option<Self> {
         let inner = m.inner(hidden);
-        let countable = m.gate == MambaGate::NormedAfter
-            && m.heads > 1
-            && m.state > 1
-            && seq.div_ceil(dims(m.chunk).max(1)) > 1;
+        let countable = m.heads > 1 && m.state > 1 && seq.div_ceil(dims(m.chunk).max(1)) > 1;
         countable.then(|| Self {
             inner: dims(inner),
             heads: dims(m.heads),
@@ -1563,6 +1603,8 @@ impl Ssd {
             state: dims(m.state),
             chunk: dims(m.chunk).max(1),
             kernel: dims(m.conv_kernel),
+            gate: m.gate,
+            mup,
         })
     }
 }
@@ -1628,6 +1670,7 @@ impl Widths {
             parallel: false,
             two_norms: false,
             sum_dropped: false,
+            scaled_gate: false,
             eager: None,
             latent: None,
             dropout: false,
@@ -2138,6 +2181,8 @@ impl Widths {
             state: n,
             chunk,
             kernel,
+            gate,
+            mup,
         } = *s;
         let live = normed || full || r.conv_in > 0;
         let [lv, f] = [live, full].map(u64::from);
@@ -2145,9 +2190,24 @@ impl Widths {
             true => 4 * c,
             false => 8 * i,
         };
-        let per_token = lv * (b * (i + 2 * c + 4 * heads) + own + 8 * i + 4)
-            + f * 4 * i
-            + u64::from(o_kept) * b * i;
+        let gated = match gate {
+            // The output times `silu(gate)`, RMS-normalised (fp32) and
+            // times the weights.
+            MambaGate::NormedAfter => lv * (own + 8 * i + 4) + f * 4 * i,
+            // Falcon-H1's grouped norm, gated before it or after: the
+            // same, and a reciprocal a group.
+            MambaGate::Grouped { groups, .. } => {
+                lv * (own + 8 * i + 4 * dims(groups).max(1)) + f * 4 * i
+            }
+            // Falcon-H1's without a norm: the fp32 output and the gate's
+            // `silu`'s output (in fp32 with what `own` counts, its input
+            // a view of `in_proj`'s output).
+            MambaGate::Plain => match b == 4 {
+                true => lv * (own + 4 * i),
+                false => lv * (4 + b) * i,
+            },
+        };
+        let per_token = lv * b * (i + 2 * c + 4 * heads) + gated + u64::from(o_kept) * b * i;
         let chunks = seq.div_ceil(chunk);
         let per_padded =
             lv * (12 * heads * chunk + 20 * heads * n + 16 * i + 8 * heads) + f * 4 * i;
@@ -2157,7 +2217,10 @@ impl Widths {
                 + 2 * (chunk * chunk + between)
                 + 4 * rows * (heads * between + (2 * chunks + 1) * i * n)
                 + 4 * heads)
-            + f * 4 * heads;
+            + f * 4 * heads
+            // Falcon-H1's multipliers cast to the compute dtype, which
+            // their product with `in_proj`'s output keeps.
+            + (mup && b != 4) as u64 * lv * b * (i + c + heads);
         (per_token, 0, per_forward, live)
     }
 
@@ -2202,18 +2265,46 @@ impl Widths {
         if parallel && !self.two_norms {
             readers.extend(r.mlp_ranks());
         }
-        per_token += self.shares(full, &readers) as u64 * b * h;
         per_token += b * readers.iter().sum::<u64>() + self.dropped(h, &readers, normed);
+        // Falcon-H1's attention and Mamba each read the normalised input
+        // times a factor of its own: two tensors, each kept by its own
+        // readers.
+        match mixer {
+            Some(Mixer::Beside(_)) => {
+                let attention = Ranks { conv_in: 0, ..*r }.attention_ranks();
+                per_token += self.shares(full, &attention) as u64 * b * h;
+                per_token += self.shares(full, &[r.conv_in]) as u64 * b * h;
+            }
+            _ => per_token += self.shares(full, &readers) as u64 * b * h,
+        }
         // The output projection keeps the attention's output where its
         // weight trains or its adapter reads it as it is.
         let o_kept = self.shares(full, &[r.o]);
         // BitNet's sub norm reads the attention's output in its place,
         // DiffLlama's combination of the heads' outputs.
         let o_reads = o_kept && !self.sub_norms && !self.differential;
+        // Whether Falcon-H1's Mamba's output needs a gradient.
+        let mut scan_live = false;
         let (token, per_position, forward, attended) = match (&self.latent, mixer) {
             (_, Some(Mixer::ShortConv(kernel))) => self.conv(kernel, (normed, full), r, o_reads),
             (_, Some(Mixer::Scan(s))) => self.scan(&s, (normed, full), r, o_reads),
             (_, Some(Mixer::Ssd(s))) => self.ssd(&s, (normed, full), r, o_reads),
+            (_, Some(Mixer::Beside(s))) => {
+                let (token, position, forward, attended) =
+                    self.heads((normed, full), r, o_reads, turns);
+                // The Mamba's `out_proj` under its own rank.
+                let out = Ranks { o: r.out, ..*r };
+                let (scan_token, _, scan_forward, scanned) =
+                    self.ssd(&s, (normed, full), &out, self.shares(full, &[r.out]));
+                scan_live = scanned || full || r.out > 0;
+                let scan_token = scan_token + b * r.out + self.dropped(s.inner, &[r.out], scanned);
+                (
+                    token + scan_token,
+                    position,
+                    forward + scan_forward,
+                    attended,
+                )
+            }
             (Some(m), None) => self.latent(m, (normed, full), r, (o_reads, turns)),
             (None, None) => self.heads((normed, full), r, o_reads, turns),
         };
@@ -2245,10 +2336,10 @@ impl Widths {
             Some(Mixer::ShortConv(_)) => self.h,
             Some(Mixer::Scan(s)) => s.inner,
             Some(Mixer::Ssd(s)) => s.inner,
-            None => self.latent.map_or(self.q, |m| self.heads * m.v),
+            Some(Mixer::Beside(_)) | None => self.latent.map_or(self.q, |m| self.heads * m.v),
         };
         per_token += b * r.o + self.dropped(o_width, &[r.o], attended);
-        let o_live = attended || full || r.o > 0;
+        let o_live = attended || full || r.o > 0 || scan_live;
         per_token += (self.resid_dropout.0 && o_live) as u64 * b * h;
         // Gemma 3 normalises the attention's output before the residual.
         if sandwich {
@@ -2307,7 +2398,7 @@ impl Widths {
                         per_token += b
                             * i
                             * match (gate_live, up_live) {
-                                (true, true) => 2,
+                                (true, true) => 2 + self.scaled_gate as u64,
                                 (gate, up) => 2 * gate as u64 + up as u64,
                             };
                         gate_live || up_live

@@ -233,7 +233,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// 40B's) and of each sublayer's output (sequential, and Falcon-RW's);
 /// Falcon-H1's attention beside Mamba-2's scan, every multiplier other
 /// than 1, its gated norm over two groups gated after it and over one
-/// gated before, and no norm, biased and tied.
+/// gated before, and no norm, biased and tied; Aria's stacked experts
+/// chosen by a softmax of the top `k` logits beside its shared MLP (of
+/// one expert's width, and of two, biased, GELU-gated, its attention's
+/// dropout on, tied).
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -660,6 +663,14 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "intermediate_size": 128, "mamba_d_ssm": 96, "mamba_n_heads": 6, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 5"#,
     ),
     (
+        "aria_text",
+        r#", "moe_num_experts": 4, "moe_topk": 2, "moe_intermediate_size": 48, "moe_num_shared_experts": 1"#,
+    ),
+    (
+        "aria_text",
+        r#", "moe_num_experts": 6, "moe_topk": 3, "moe_intermediate_size": 40, "moe_num_shared_experts": 2, "mlp_bias": true, "hidden_act": "gelu", "attention_dropout": 0.1, "tie_word_embeddings": true"#,
+    ),
+    (
         "falcon",
         r#", "multi_query": true, "parallel_attn": true, "bias": false, "alibi": false, "new_decoder_architecture": false, "hidden_dropout": 0.1, "attention_dropout": 0.1"#,
     ),
@@ -980,6 +991,10 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             ..lora(&["query_key_value", "dense"])
         }])
         .collect();
+    // Aria's router (`mlp.router`) alone.
+    let aria_cases: Vec<_> = (moe_shared_cases.iter().cloned())
+        .chain([lora(&["router"])])
+        .collect();
     // Hunyuan's router (`gate.wg`) alone.
     let hunyuan_moe_cases: Vec<_> = (moe_shared_cases.iter().cloned())
         .chain([lora(&["wg"])])
@@ -1145,6 +1160,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "mamba" | "falcon_mamba" => &mamba_cases[..],
             "jamba" => &jamba_cases[..],
             "falcon_h1" => &falcon_h1_cases[..],
+            "aria_text" => &aria_cases[..],
             "mamba2" => &mamba2_cases[..],
             "bamba" | "granitemoehybrid" => &mamba2_hybrid_cases[..],
             "glm4_moe" | "dots1" | "ernie4_5_moe" => &moe_shared_cases[..],
@@ -1177,6 +1193,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                             || (n.contains(".shared_mlp.") && c.moe.is_some())
                             || n.contains("_moe.gate.")
                             || n.contains(".feed_forward.router.")
+                            || n.contains(".mlp.router.")
                             || n.contains("mlp.gate.lora")
                     });
                     if on_experts {

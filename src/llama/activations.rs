@@ -571,7 +571,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// [`crate::gpt_neox::held_for_backward`] and
 /// [`crate::phi::held_for_backward`] count, as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, PhiMoE (Phi-3.5-MoE), Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba, Granite 4.0, Falcon-H1 (their rows longer than a chunk) and GPT-OSS";
+    "GPT-2, GPT-NeoX (Pythia), Phi (phi-1, 1.5 and 2), Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5 (dense and MoE), Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, PhiMoE (Phi-3.5-MoE), Aria (its language model), Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX, Falcon (Falcon-RW too), OPT (350m too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder, BitNet (trained unrounded), DiffLlama, Doge, Mamba, Falcon-Mamba, Jamba, Mamba-2, Bamba, Granite 4.0, Falcon-H1 (their rows longer than a chunk) and GPT-OSS";
 
 /// The rank of `l`'s adapter on ModernBERT-decoder's dense layer before
 /// its head, by its checkpoint name under the model's transform
@@ -777,6 +777,9 @@ fn counted(c: &LlamaConfig) -> bool {
         // Falcon-H1's attention beside that scan, its gate grouped or
         // plain, its multipliers.
         Family::FalconH1 => true,
+        // Aria's stacked experts beside its shared MLP, chosen by a
+        // softmax of the top `k` logits.
+        Family::AriaText => true,
         _ => false,
     }
 }
@@ -835,6 +838,9 @@ struct Experts {
     /// GPT-OSS's balance: over a softmax of its top `k` weights
     /// scattered among zeros.
     scattered: bool,
+    /// Aria's router: the top `k` logits (in fp32), weighted by a
+    /// softmax over them alone.
+    top_softmax: bool,
 }
 
 impl Experts {
@@ -869,6 +875,7 @@ impl Experts {
                     | Family::Llama4
                     | Family::GraniteMoeShared
                     | Family::GraniteMoeHybrid
+                    | Family::AriaText
             ))
             && m.grouped.is_none();
         let grouped = matches!(
@@ -880,11 +887,13 @@ impl Experts {
         let sparse = c.family == Family::Phimoe && m.sparse_mixer.is_some();
         let counted =
             (plain || grouped || sparse) && (m.sparse_mixer.is_none() || sparse) && m.zero == 0;
+        let top_softmax = c.family == Family::AriaText;
         counted.then(|| Self {
             count: dims(m.experts),
             k: dims(m.top_k),
             width: dims(m.intermediate),
-            normalize: m.normalize,
+            // (Aria's softmax of the top k sums to one by itself.)
+            normalize: m.normalize && !top_softmax,
             shared: m.shared.map(|w| (dims(w), c.family == Family::Qwen2Moe)),
             grouped,
             sigmoid: c.family == Family::Llama4,
@@ -892,6 +901,7 @@ impl Experts {
             jitter: m.jitter > 0.0,
             balance: m.balance.is_some(),
             scattered: c.family == Family::GptOss,
+            top_softmax,
         })
     }
 
@@ -913,6 +923,7 @@ impl Experts {
             jitter,
             balance,
             scattered,
+            top_softmax,
         } = *self;
         // The grouped router computes in fp32: its input, and its
         // weights per row.
@@ -940,12 +951,12 @@ impl Experts {
                 false => 4 * k + 8,
             };
             kept += 8 * k + normalize as u64 * renormalised;
-            // Llama 4's sigmoid of the top k alone, the others' scores
-            // of every expert; sparsemixer's each pick's softmax over
+            // Llama 4's sigmoid of the top k alone (Aria's softmax of
+            // them), the others' scores of every expert; sparsemixer's each pick's softmax over
             // the experts in play and the logits (for its gradient), in
             // the compute dtype, and each pick's weight (its choices are
             // the int64 ones above).
-            kept += match (sigmoid, sparse) {
+            kept += match (sigmoid || top_softmax, sparse) {
                 (true, _) => 4 * k,
                 // (With the balance, a softmax of every logit of its
                 // own, in the compute dtype.)
@@ -1045,6 +1056,14 @@ impl MoeModules {
             ),
             Family::GraniteMoe => ("block_sparse_moe", &["router.layer"][..], &[][..], NONE),
             Family::Jamba => ("feed_forward", &["router"][..], GATED, NONE),
+            // Aria's experts are stacked parameters, its router
+            // `mlp.router`.
+            Family::AriaText => (
+                "mlp",
+                &["router"][..],
+                &[][..],
+                ("mlp.shared_experts", GATED),
+            ),
             Family::Dbrx => ("ffn", &["router.layer"][..], &[][..], NONE),
             // Granite-MoE-shared's shared MLP is the layer's own (Granite
             // 4.0's too).

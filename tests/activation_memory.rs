@@ -1005,6 +1005,17 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["down_proj"], "fc2"),
         (&["o_proj"], "out_proj"),
     ]);
+    // OPT-350m's projections in and out of the layers' width, alone
+    // (the first making every layer's input need a gradient), together
+    // beside a layer's, under LoRA's dropout.
+    let opt_projected_cases: Vec<_> = (opt_cases.iter().cloned())
+        .chain([
+            lora(&["project_in"]),
+            lora(&["project_out"]),
+            lora(&["project_in", "project_out", "out_proj"]),
+            dropped(0.1, &lora(&["project_in", "project_out", "fc1"])),
+        ])
+        .collect();
     // GPT-BigCode's GPT-2 names, the attention's output projection
     // alone by a pattern of its path (`c_proj` names the MLP's too).
     let bigcode_cases: Vec<_> = (renamed(&[
@@ -1139,6 +1150,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "hunyuan_v1_moe" => &hunyuan_moe_cases[..],
             "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
+            "opt" if extra.contains("word_embed_proj_dim") => &opt_projected_cases[..],
             "opt" | "biogpt" | "xglm" => &opt_cases[..],
             "gpt_bigcode" | "openai-gpt" => &bigcode_cases[..],
             "ctrl" => &ctrl_cases[..],
@@ -1178,13 +1190,10 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
                         trained.map(|(n, t)| (n, t.numel() as i64)).collect();
                     let rows_seq = (ROWS as u64, SEQ as u64);
                     let want = held_for_backward(&c, rows_seq, kind, (recompute, true), Some(lora));
-                    // Adapters on a mixture's router or experts, or on
-                    // OPT-350m's projections in and out, are not counted,
-                    // and said so.
+                    // Adapters on a mixture's router or experts are not
+                    // counted, and said so.
                     let on_experts = (trained.iter()).any(|(n, _)| {
-                        n.contains(".project_in.")
-                            || n.contains(".project_out.")
-                            || n.contains(".experts.")
+                        n.contains(".experts.")
                             || n.contains(".shared_expert")
                             || n.contains(".router.layer.")
                             || n.contains(".gate.wg.")

@@ -1445,7 +1445,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     let all_linear = [&mixtral_lora[..], &["--lora-targets", "all-linear"]].concat();
     let (ok, out) = zrt(&[&["estimate", "--hf-config", &mixtral][..], &all_linear].concat());
     assert!(
-        !ok && out.contains("(not on a mixture's router or experts, nor on OPT-350m's"),
+        !ok && out.contains("(not on a mixture's router or experts); for this model give"),
         "{out}"
     );
     // DeepSeek-V2-Lite's: latent attention, its values padded to the

@@ -162,7 +162,10 @@ pub fn held_for_backward(
     let full = lora.is_none();
     // The embedding's output needs a gradient when the embedding trains:
     // its dropout keeps its mask then.
-    let mut live = full;
+    // OPT-350m's projections in and out of the layers' width: an adapter
+    // on the first makes every layer's input need a gradient.
+    let (project_in, project_out) = lora.map_or((0, 0), |l| projection_ranks(c, l));
+    let mut live = full || project_in > 0;
     let mut held = (full && c.embedding_dropout > 0.0) as u64 * tokens * b * w.h;
     // Learned positions (OPT's, BioGPT's, GPT-BigCode's, GPT-Neo's): the
     // lookup keeps them, int64, where they train.
@@ -260,7 +263,18 @@ pub fn held_for_backward(
         h: dims(c.embedding_width()),
         ..w
     };
-    let projections = (full && c.projected()) as u64 * tokens * b * (head.h + w.h);
+    // OPT-350m's projections in and out keep their inputs where they
+    // train or an adapter reads them (the embeddings', the last layer's
+    // output), their adapters their own.
+    let projected = |width: u64, rank: u64, input_live: bool| {
+        w.shares(full, &[rank]) as u64 * b * width
+            + b * rank
+            + w.dropped(width, &[rank], input_live)
+    };
+    let projections = match c.projected() {
+        true => tokens * (projected(head.h, project_in, full) + projected(w.h, project_out, live)),
+        false => 0,
+    };
     let kept = logits_kept((rows, seq), &head, vocab, (fused_loss, full));
     // ModernBERT-decoder's transform before its head (`lm_head.dense`,
     // the MLP's activation, a LayerNorm): the dense layer keeps its input
@@ -281,6 +295,9 @@ pub fn held_for_backward(
     };
     let ends = (c.final_norm().then_some(&w), &head);
     let head = kept_for_head(ends, tokens, (live, full), (fused_loss, kept));
+    // An adapter on OPT-350m's projection out, where nothing before it
+    // needs a gradient, makes the logits need one.
+    let head = head + (project_out > 0 && !(live || full)) as u64 * kept;
     // The load-balancing loss's seed (f64) and, where a layer's routing
     // needs a gradient, the loss's gradient in the summed probabilities
     // (fp32), once a forward; recomputed layers hold the forward's whole
@@ -391,6 +408,19 @@ fn ranks_of(l: &LoraConfig, prefix: &str, names: &[(&str, Slot)]) -> Ranks {
         *slot(&mut r) = rank_at(l, &format!("{prefix}{module}"));
     }
     r
+}
+
+/// The ranks of `l`'s adapters on OPT-350m's projections in and out of
+/// the layers' width (`project_in`, `project_out`), 0 where it has none.
+fn projection_ranks(c: &LlamaConfig, l: &LoraConfig) -> (u64, u64) {
+    let [model, ..] = c.family.names();
+    match c.projected() {
+        true => (
+            rank_at(l, &format!("{model}.project_in")),
+            rank_at(l, &format!("{model}.project_out")),
+        ),
+        false => (0, 0),
+    }
 }
 
 /// The rank of `l`'s adapter on the module `name`, 0 where it targets
@@ -562,7 +592,11 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
         true => head_transform_rank(lora) * 2 * h,
         false => 0,
     };
-    Some((0..c.layers.max(0)).map(per_layer).sum::<u64>() + transform)
+    // OPT-350m's projections between the embeddings' width and the
+    // layers'.
+    let (project_in, project_out) = projection_ranks(c, lora);
+    let projections = (project_in + project_out) * (dims(c.embedding_width()) + h);
+    Some((0..c.layers.max(0)).map(per_layer).sum::<u64>() + transform + projections)
 }
 
 /// The families whose layers [`held_for_backward`] and
@@ -652,14 +686,7 @@ fn gpt_era(family: Family) -> bool {
 fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Experts>> {
     let [model, embedding, ..] = c.family.names();
     let ends = (c.family.head_name(), &*format!("{model}.{embedding}"));
-    // OPT-350m's projections in and out are not a layer's.
-    let projection = |l: &LoraConfig| {
-        c.projected()
-            && ["project_in", "project_out"]
-                .iter()
-                .any(|p| l.targets(&format!("{model}.{p}")))
-    };
-    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l, ends) || projection(l)) {
+    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l, ends)) {
         return None;
     }
     let Some(m) = &c.moe else {

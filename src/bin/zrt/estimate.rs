@@ -102,7 +102,7 @@ pub struct EstimateArgs {
     /// SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
     /// FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE,
     /// dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX,
-    /// Falcon, OPT, BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo,
+    /// Falcon, OPT (OPT-350m's projections in and out too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo,
     /// MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder
     /// (its dense layer before the head too), BitNet trained unrounded,
     /// DiffLlama, Doge (its `dt_proj` too, where each layer's queries
@@ -269,7 +269,7 @@ fn params_of(a: &EstimateArgs) -> Result<Counted> {
         };
         lora.check("--lora-r, --lora-targets and --lora-dropout")?;
         let Some(adapters) = zrt::hf::adapter_params(path, &lora)? else {
-            bail!("--lora-r counts the adapters of the layers of {} (not on a mixture's router or experts, nor on OPT-350m's projections in and out); for this model give the adapters' count as --params and the model's as --frozen", zrt::llama::COUNTED_FAMILIES);
+            bail!("--lora-r counts the adapters of the layers of {} (not on a mixture's router or experts); for this model give the adapters' count as --params and the model's as --frozen", zrt::llama::COUNTED_FAMILIES);
         };
         println!(
             "LoRA r {r} on {}: {adapters} adapter params train, the {total} of the model frozen",
@@ -517,7 +517,7 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of {} with their own dropouts, but not the attention weights' of attentions other than the fused kernel; nor adapters on experts or on OPT-350m's projections); measure them: `memory_breakdown` logs what libtorch holds at its peak",
+            "activations: not counted for this model (zrt counts the layers of {} with their own dropouts, but not the attention weights' of attentions other than the fused kernel; nor adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
             zrt::llama::COUNTED_FAMILIES
         ),
     }

@@ -64,8 +64,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// (a mixture of experts other than those `Experts::of` counts), whose
 /// gates save other tensors;
 /// a dropout of the model's that it does not follow (`dropouts`: the
-/// weights' of an attention not the fused kernel's; the others are counted, each keeping its mask, and the
-/// attention's weights' taking libtorch's plain CPU attention, which
+/// weights' of an attention not the fused kernel's; the others are
+/// counted, each keeping its mask, and the attention's weights' taking libtorch's plain CPU attention, which
 /// keeps fp32 weights for every pair of tokens); and LoRA with DoRA, bias
 /// terms, or anything besides the layers' adapters training (the head,
 /// token rows, `modules_to_save`, parameters).
@@ -437,9 +437,9 @@ fn rank_at(l: &LoraConfig, name: &str) -> u64 {
 /// `None` where one is on that this count does not follow: the
 /// weights' where the attention is not the fused kernel's
 /// (soft-capped, beside sinks, latent or in chunks). Falcon's parallel
-/// layers drop out their two outputs' sum (`Widths::sum_dropped`). ALiBi's
-/// attention dropped out takes libtorch's plain path as any other, its
-/// float mask the one a forward holds.
+/// layers drop out their two outputs' sum (`Widths::sum_dropped`).
+/// ALiBi's attention dropped out takes libtorch's plain path as any
+/// other, its float mask the one a forward holds.
 fn dropouts(c: &LlamaConfig) -> Option<(bool, bool, bool)> {
     let on = (
         c.attention_weights_dropout() > 0.0,
@@ -555,7 +555,9 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
     // reads the channels.
     let per_layer = |l: i64| {
         let r = &Ranks::of(lora, l, c);
-        let (o, conv_in, steps) = match (c.short_conv_layer(l), c.mamba1_layer(l)) {
+        // (`more`: the first Mamba's step projections, Falcon-H1's
+        // Mamba's `out_proj`.)
+        let (o, conv_in, more) = match (c.short_conv_layer(l), c.mamba1_layer(l)) {
             (Some(_), _) => (h, 3 * h, 0),
             (None, Some(m)) => {
                 let s = Scan::of(m, c.hidden);
@@ -585,7 +587,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
             + (r.gate + r.up) * (h + i)
             + r.gate_up * (h + 2 * i)
             + r.down * (i + h)
-            + steps
+            + more
     };
     // ModernBERT-decoder's dense layer before its head.
     let transform = match c.family == Family::ModernBertDecoder {
@@ -979,10 +981,10 @@ impl Experts {
             };
             kept += 8 * k + normalize as u64 * renormalised;
             // Llama 4's sigmoid of the top k alone (Aria's softmax of
-            // them), the others' scores of every expert; sparsemixer's each pick's softmax over
-            // the experts in play and the logits (for its gradient), in
-            // the compute dtype, and each pick's weight (its choices are
-            // the int64 ones above).
+            // them), the others' scores of every expert; sparsemixer's
+            // each pick's softmax over the experts in play and the
+            // logits (for its gradient), in the compute dtype, and each
+            // pick's weight (its choices are the int64 ones above).
             kept += match (sigmoid || top_softmax, sparse) {
                 (true, _) => 4 * k,
                 // (With the balance, a softmax of every logit of its
@@ -1300,16 +1302,6 @@ impl Ranks {
             _ if c.short_conv_layer(layer).is_some() => {
                 (r.conv_in, r.o) = (rank("conv.in_proj"), rank("conv.out_proj"))
             }
-            // Falcon-H1's Mamba beside the attention.
-            _ if c.falcon_h1.is_some() => {
-                (r.q, r.k, r.v, r.conv_in, r.out) = (
-                    rank("self_attn.q_proj"),
-                    rank("self_attn.k_proj"),
-                    rank("self_attn.v_proj"),
-                    rank("mamba.in_proj"),
-                    rank("mamba.out_proj"),
-                )
-            }
             // Mamba-2's: `in_proj` reads the input.
             _ if c.mamba_layer(layer).is_some() => {
                 let rank = |m: &str| rank(&format!("{}.{m}", scan_module(c)));
@@ -1342,6 +1334,11 @@ impl Ranks {
                     rank(&format!("{attn}.{v}")),
                 )
             }
+        }
+        // Falcon-H1's Mamba beside the attention: `in_proj` reads the
+        // input, `out_proj` the channels.
+        if c.falcon_h1.is_some() {
+            (r.conv_in, r.out) = (rank("mamba.in_proj"), rank("mamba.out_proj"));
         }
         // A mixture's layer has no dense MLP (where its experts' names
         // are a dense MLP's, as GPT-OSS's, they are none of its), nor

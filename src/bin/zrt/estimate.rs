@@ -95,22 +95,23 @@ pub struct EstimateArgs {
     /// With `--hf-config`: LoRA adapters of this rank train on the frozen
     /// model (`finetune_hf --lora-r`): the adapters are the trained
     /// parameters, the model the frozen ones, and `--seq`'s activations
-    /// are LoRA's. Counted on the layers of GPT-2, GPT-NeoX, Phi, Llama, Mistral, Ministral,
-    /// Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron,
-    /// ERNIE 4.5 (with experts too), Helium, GLM and GLM-4, Hunyuan,
-    /// Cohere 1 and 2, StableLM, Persimmon, Gemma 1-3, VaultGemma, Phi-3,
-    /// SmolLM3, OLMo 1-3, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-    /// FlexOlmo, Granite-MoE (shared too), Hunyuan-MoE, GLM-4-MoE,
-    /// dots.llm1, DeepSeek-V2 and V3, Llama 4, Apertus, LFM2, DBRX,
-    /// Falcon, OPT (OPT-350m's projections in and out too), BioGPT, XGLM, GPT-BigCode, GPT-J, CodeGen, GPT-Neo,
-    /// MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese, ModernBERT-decoder
-    /// (its dense layer before the head too), BitNet trained unrounded,
-    /// DiffLlama, Doge (its `dt_proj` too, where each layer's queries
-    /// need a gradient), Mamba, Falcon-Mamba and Jamba (their scans'
-    /// `in_proj`, `x_proj`, `dt_proj`, `out_proj` too), Mamba-2, Bamba
-    /// and Granite 4.0 (their scans' `in_proj` and `out_proj` too,
-    /// Granite 4.0's dense shared MLP) and GPT-OSS (not
-    /// on a mixture's router or experts, shared or routed).
+    /// are LoRA's. Counted on the layers of GPT-2, GPT-NeoX, Phi, Llama,
+    /// Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee,
+    /// StarCoder2, Nemotron, ERNIE 4.5 (with experts too), Helium, GLM
+    /// and GLM-4, Hunyuan, Cohere 1 and 2, StableLM, Persimmon, Gemma
+    /// 1-3, VaultGemma, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral,
+    /// PhiMoE, Aria, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Granite-MoE
+    /// (shared too), Hunyuan-MoE, GLM-4-MoE, dots.llm1, DeepSeek-V2 and
+    /// V3, Llama 4, Apertus, LFM2, DBRX, Falcon, OPT (OPT-350m's
+    /// projections in and out too), BioGPT, XGLM, GPT-BigCode, GPT-J,
+    /// CodeGen, GPT-Neo, MPT, BLOOM, OpenAI GPT, CTRL, GPT-NeoX-Japanese,
+    /// ModernBERT-decoder (its dense layer before the head too), BitNet
+    /// trained unrounded, DiffLlama, Doge (its `dt_proj` too, where each
+    /// layer's queries need a gradient), Mamba, Falcon-Mamba and Jamba
+    /// (their scans' `in_proj`, `x_proj`, `dt_proj`, `out_proj` too),
+    /// Mamba-2, Bamba, Granite 4.0 and Falcon-H1 (their scans' `in_proj`
+    /// and `out_proj` too, Granite 4.0's dense shared MLP) and GPT-OSS
+    /// (not on a mixture's router or experts, shared or routed).
     #[arg(long)]
     lora_r: Option<i64>,
     /// With `--lora-r`: the linear layers that take adapters,

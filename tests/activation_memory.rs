@@ -1066,11 +1066,21 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["o_proj"], "out_proj"),
     ]);
     // MPT's `Wqkv`, `out_proj` and ungated `ffn`.
-    let mpt_cases = renamed(&[
+    // An adapter on the last layer's MLP alone: no layer attends with
+    // a gradient, and ALiBi's mask (Llama 4's chunks', below) is held
+    // all the same.
+    let last_mlp = zrt::lora::LoraConfig {
+        layers_to_transform: vec![2],
+        ..lora(&["down_proj"])
+    };
+    let mpt_cases: Vec<_> = (renamed(&[
         (&["q_proj", "k_proj", "v_proj"], "Wqkv"),
         (&["gate_proj"], "up_proj"),
         (&["o_proj"], "out_proj"),
-    ]);
+    ]))
+    .into_iter()
+    .chain([last_mlp.clone()])
+    .collect();
     // GPT-Neo's `out_proj`, `c_fc` and `c_proj`.
     let gpt_neo_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
@@ -1123,6 +1133,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         .chain([
             on_layers(&[0, 2], &["gate_proj", "up_proj", "down_proj"]),
             on_layers(&[2], &["up_proj", "q_proj"]),
+            last_mlp.clone(),
             // A pattern naming the module's path.
             zrt::lora::LoraConfig {
                 rank_pattern: vec![("feed_forward.gate_proj".into(), 3)],

@@ -231,17 +231,18 @@ pub fn held_for_backward(
             mask = seq * seq * b;
         }
         // Llama 4's chunks, shorter than the row: one mask too, its
-        // chunked layers'.
+        // chunked layers', held by the cache as the window's is.
         let chunked = (c.llama4.as_ref())
             .filter(|a| a.chunked.get(layer as usize) == Some(&true))
             .and_then(|a| a.chunk)
             .is_some_and(|size| (size.max(0) as u64) < seq);
-        if chunked && !recompute && attended_in(live, full, &ranks) {
+        if chunked && !recompute {
             chunks = seq * seq * b;
         }
         // ALiBi's biases: one mask of every head's scores, in the compute
-        // dtype, that the layers of the forward share.
-        if c.alibi() && !recompute && attended_in(live, full, &ranks) {
+        // dtype, that the layers of the forward share (held as the
+        // window's is).
+        if c.alibi() && !recompute {
             alibi = dims(c.heads) * seq * seq * b;
         }
         held += w.layer_held(recompute, (live, trains), tokens, || {
@@ -1024,12 +1025,6 @@ impl Experts {
         }
         (kept, per_forward)
     }
-}
-
-/// Whether a layer's attention runs with a gradient: its input needs
-/// one, its weights train, or an adapter reads its input.
-fn attended_in(live: bool, full: bool, r: &Ranks) -> bool {
-    live || full || r.attention_input() > 0
 }
 
 /// Whether `l` puts an adapter on layer `layer`'s router or experts,

@@ -65,8 +65,9 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// gates save other tensors;
 /// a dropout of the model's that it does not follow (`dropouts`: the
 /// weights' of an attention not the fused kernel's; the others are
-/// counted, each keeping its mask, and the attention's weights' taking libtorch's plain CPU attention, which
-/// keeps fp32 weights for every pair of tokens); and LoRA with DoRA, bias
+/// counted, each keeping its mask, and the attention's weights' taking
+/// libtorch's plain CPU attention, which keeps fp32 weights for every
+/// pair of tokens); and LoRA with DoRA, bias
 /// terms, or anything besides the layers' adapters training (the head,
 /// token rows, `modules_to_save`, parameters).
 /// Gemma 2's soft-capped attention and GPT-OSS's beside its sinks are
@@ -832,8 +833,9 @@ fn adapters_alone(l: &LoraConfig, (head, embedding): (&str, &str)) -> bool {
 /// FlexOlmo's, Granite-MoE's, DBRX's, GPT-OSS's, ERNIE 4.5's, Hunyuan's,
 /// GLM-4-MoE's, dots.llm1's and DeepSeek-V2's and V3's; Qwen2-MoE's
 /// beside its gated shared expert, Llama 4's beside an ungated one,
-/// Granite-MoE-shared's beside a shared MLP whose gate and up are one
-/// matrix): each token's top `k` of `count` experts by the router's
+/// Granite-MoE-shared's and Granite 4.0's beside a shared MLP whose gate
+/// and up are one matrix, Aria's beside a shared MLP; Jamba's and
+/// PhiMoE's): each token's top `k` of `count` experts by the router's
 /// scores (renormalised when `normalize`), each expert a gated MLP
 /// `width` wide run on the tokens that chose it.
 struct Experts {
@@ -879,8 +881,9 @@ impl Experts {
     /// the top `k`, or the grouped one of GLM-4-MoE, dots.llm1 and
     /// DeepSeek-V2 and V3, no shared expert but Qwen2-MoE's, ERNIE 4.5's,
     /// Hunyuan's, Llama 4's, Granite-MoE-shared's and the grouped ones',
-    /// PhiMoE's sparsemixer, with their inputs' jitter or without, no
-    /// balancing loss.
+    /// PhiMoE's sparsemixer, Aria's softmax of the top `k`, with their
+    /// inputs' jitter or without, with the load-balancing loss or
+    /// without; no zero experts.
     fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
         let routed = matches!(
             c.family,
@@ -1604,8 +1607,8 @@ enum Mixer {
     Beside(Ssd),
 }
 
-/// The widths of Mamba-2's chunked scan ([`MambaConfig`]), its output
-/// RMS-normalised after the gate (`NormedAfter`).
+/// The widths of Mamba-2's chunked scan ([`MambaConfig`]) and how its
+/// output is gated.
 #[derive(Clone, Copy)]
 struct Ssd {
     /// The channels scanned, `heads` of them a head.
